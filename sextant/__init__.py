@@ -1,0 +1,1 @@
+"""sextant: compile PyTorch models to NVIDIA GPU code, with every stage visible."""

@@ -1,0 +1,56 @@
+"""The six element types of sextant's graph IR and their torch equivalents."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class DType(enum.Enum):
+    """Element type of a tensor value. The value is the textual name used by the printer."""
+
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+    i32 = "i32"
+    i64 = "i64"
+    bool = "bool"
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.f32, DType.f16, DType.bf16)
+
+    @property
+    def is_int(self) -> bool:
+        return self in (DType.i32, DType.i64)
+
+    @property
+    def itemsize(self) -> int:
+        return {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}[self.value]
+
+    @property
+    def torch(self) -> torch.dtype:
+        return _TO_TORCH[self]
+
+    @staticmethod
+    def from_torch(dt: torch.dtype) -> DType:
+        try:
+            return _FROM_TORCH[dt]
+        except KeyError:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in _FROM_TORCH)
+            raise TypeError(f"dtype {dt} is not supported by sextant (supported: {supported})") from None
+
+    def __repr__(self) -> str:
+        return f"DType.{self.value}"
+
+
+_TO_TORCH = {
+    DType.f32: torch.float32,
+    DType.f16: torch.float16,
+    DType.bf16: torch.bfloat16,
+    DType.i32: torch.int32,
+    DType.i64: torch.int64,
+    DType.bool: torch.bool,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}

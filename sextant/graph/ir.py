@@ -1,0 +1,140 @@
+"""Graph IR: an SSA dataflow graph of tensor ops with static shapes and dtypes.
+
+A :class:`Node` is immutable and produces exactly one value (multi-result ATen ops become
+several nodes). A :class:`Graph` is an ordered tuple of nodes in which every operand is
+defined before use (like an MLIR block), plus the graph's inputs, outputs and the tensors
+behind its ``param`` nodes. Passes never mutate: they build a new graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ops import TensorType, infer_type
+
+AttrValue = int | float | bool | str | DType | tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Node:
+    """One SSA value: ``op(inputs) {attrs} : type``. Compared by identity."""
+
+    op: str
+    inputs: tuple[Node, ...]
+    attrs: tuple[tuple[str, AttrValue], ...]
+    type: TensorType
+    loc: str | None = None  # user source location, "file.py:LINE"
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def attr_dict(self) -> dict[str, AttrValue]:
+        return dict(self.attrs)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.type.dtype
+
+    def key(self) -> tuple:
+        """Structural identity of this node given its operands (used by CSE)."""
+        return (self.op, tuple(id(i) for i in self.inputs), self.attrs, self.type)
+
+    def __repr__(self) -> str:
+        return f"Node({self.op}, {self.type}, {dict(self.attrs)})"
+
+
+def freeze_attrs(attrs: Mapping[str, Any]) -> tuple[tuple[str, AttrValue], ...]:
+    """Normalise attributes to a sorted, hashable tuple (lists become tuples)."""
+    out = []
+    for k, v in sorted(attrs.items()):
+        if isinstance(v, list):
+            v = tuple(v)
+        out.append((k, v))
+    return tuple(out)
+
+
+def make_node(op: str, inputs: Iterable[Node] = (), attrs: Mapping[str, Any] | None = None,
+              loc: str | None = None) -> Node:
+    """Build a node, inferring (and thereby checking) its type."""
+    inputs = tuple(inputs)
+    fattrs = freeze_attrs(attrs or {})
+    t = infer_type(op, [i.type for i in inputs], dict(fattrs))
+    return Node(op, inputs, fattrs, t, loc)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A whole program in graph IR.
+
+    ``in_spec``/``out_spec`` are torch pytree specs that rebuild the module's argument and
+    result structure from the flat ``inputs``/``outputs``.
+    """
+
+    name: str
+    nodes: tuple[Node, ...]
+    inputs: tuple[Node, ...]
+    outputs: tuple[Node, ...]
+    params: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    in_spec: Any = None
+    out_spec: Any = None
+
+    def __str__(self) -> str:
+        from sextant.graph.printer import print_graph
+
+        return print_graph(self)
+
+    def with_nodes(self, nodes: Iterable[Node], outputs: Iterable[Node],
+                   params: Mapping[str, torch.Tensor] | None = None) -> Graph:
+        """A copy with new nodes/outputs; inputs are taken from ``nodes``' input ops."""
+        nodes = tuple(nodes)
+        by_index = sorted((n for n in nodes if n.op == "input"), key=lambda n: n.attr("index"))
+        return Graph(self.name, nodes, tuple(by_index), tuple(outputs),
+                     self.params if params is None else params, self.in_spec, self.out_spec)
+
+    def users(self) -> dict[Node, list[Node]]:
+        out: dict[Node, list[Node]] = {n: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n)
+        return out
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return counts
+
+
+def topo_sort(outputs: Iterable[Node], extra: Iterable[Node] = ()) -> list[Node]:
+    """Nodes reachable from ``outputs`` (plus ``extra``), operands first; iterative DFS."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    for root in list(extra) + list(outputs):
+        if id(root) in seen:
+            continue
+        stack: list[tuple[Node, int]] = [(root, 0)]
+        seen.add(id(root))
+        while stack:
+            node, i = stack.pop()
+            if i < len(node.inputs):
+                stack.append((node, i + 1))
+                child = node.inputs[i]
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append((child, 0))
+            else:
+                order.append(node)
+    return order

@@ -1,0 +1,145 @@
+"""Parser for the graph IR's textual form: ``parse_graph(print_graph(g))`` rebuilds ``g``.
+
+Parameters are not part of the text; pass their tensors as ``params`` (or get zero-filled
+placeholders of the printed type). Pytree specs are not part of the text either.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+
+import torch
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Graph, Node, make_node
+from sextant.graph.ops import SOURCES, IRTypeError, TensorType
+
+_TYPE = r"(?:f32|f16|bf16|i32|i64|bool)\[[0-9,]*\]"
+_HEADER = re.compile(r"graph @(?P<name>[\w.]+)\((?P<args>.*)\) \{$")
+_NODE = re.compile(
+    r"(?P<res>%[\w.]+) = (?P<op>\w+)\((?P<ops>[^)]*)\)(?: \{(?P<attrs>.*)\})? : (?P<type>" + _TYPE + r")"
+    r"(?:\s+loc\((?P<loc>\"(?:[^\"\\]|\\.)*\")\))?$"
+)
+_RETURN = re.compile(r"return \((?P<outs>[^)]*)\)$")
+
+
+class ParseError(ValueError):
+    """The text is not valid graph IR; the message names the line."""
+
+
+def parse_type(text: str) -> TensorType:
+    dt, _, dims = text.partition("[")
+    dims = dims.rstrip("]")
+    return TensorType(tuple(int(d) for d in dims.split(",") if d), DType(dt))
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas not nested inside [...] or a string."""
+    parts, depth, cur, in_str, esc = [], 0, "", False, False
+    for ch in text:
+        if in_str:
+            cur += ch
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    if cur.strip():
+        parts.append(cur.strip())
+    return parts
+
+
+def parse_attr(text: str) -> object:
+    text = text.strip()
+    if text.startswith("["):
+        return tuple(parse_attr(x) for x in _split_top(text[1:-1]))
+    if text.startswith('"'):
+        return json.loads(text)
+    if text in ("true", "false"):
+        return text == "true"
+    if text in {d.value for d in DType}:
+        return DType(text)
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    return float(text)
+
+
+def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> Graph:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip() and not ln.strip().startswith("//")]
+    if not lines:
+        raise ParseError("empty text")
+    m = _HEADER.match(lines[0])
+    if not m:
+        raise ParseError(f"line 1: expected 'graph @name(...) {{', got {lines[0]!r}")
+    env: dict[str, Node] = {}
+    nodes: list[Node] = []
+    inputs: list[Node] = []
+    for i, arg in enumerate(_split_top(m["args"])):
+        name, _, ty = arg.partition(": ")
+        t = parse_type(ty)
+        node = make_node("input", (), {"name": name.lstrip("%"), "index": i, "shape": t.shape, "dtype": t.dtype})
+        env[name] = node
+        nodes.append(node)
+        inputs.append(node)
+    outputs: tuple[Node, ...] | None = None
+    param_tensors: dict[str, torch.Tensor] = {}
+    for lineno, line in enumerate(lines[1:], start=2):
+        if line == "}":
+            break
+        if r := _RETURN.match(line):
+            outputs = tuple(_lookup(env, o.strip(), lineno) for o in r["outs"].split(",") if o.strip())
+            continue
+        nm = _NODE.match(line)
+        if not nm:
+            raise ParseError(f"line {lineno}: cannot parse {line!r}")
+        op = nm["op"]
+        operands = [_lookup(env, o.strip(), lineno) for o in nm["ops"].split(",") if o.strip()]
+        attrs: dict[str, object] = {}
+        for item in _split_top(nm["attrs"] or ""):
+            k, _, v = item.partition("=")
+            attrs[k.strip()] = parse_attr(v)
+        t = parse_type(nm["type"])
+        if op in SOURCES:
+            attrs.update(shape=t.shape, dtype=t.dtype)
+        if op == "cast":
+            attrs["dtype"] = t.dtype
+        loc = json.loads(nm["loc"]) if nm["loc"] else None
+        try:
+            node = make_node(op, operands, attrs, loc)
+        except IRTypeError as e:
+            raise ParseError(f"line {lineno}: {e}") from None
+        if node.type != t:
+            raise ParseError(f"line {lineno}: printed type {t} but the op gives {node.type}")
+        if op == "param":
+            name = attrs["name"]
+            if params is not None and name in params:
+                param_tensors[name] = params[name]
+            else:
+                param_tensors[name] = torch.zeros(t.shape, dtype=t.dtype.torch)
+        env[nm["res"]] = node
+        nodes.append(node)
+    if outputs is None:
+        raise ParseError("missing 'return (...)'")
+    return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors)
+
+
+def _lookup(env: dict[str, Node], name: str, lineno: int) -> Node:
+    try:
+        return env[name]
+    except KeyError:
+        raise ParseError(f"line {lineno}: {name} used before it is defined") from None

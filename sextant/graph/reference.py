@@ -1,0 +1,159 @@
+"""Reference executor: runs a graph op by op on torch CPU tensors.
+
+It is the oracle for every later stage, so it is written for obviousness, not speed: each
+primitive maps to the torch call with the same meaning. Half-precision ops compute as torch
+does on the CPU (internally in fp32 where torch does, rounded to the result type).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from sextant.graph.ir import Graph, Node
+
+_UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil,
+    "round": torch.round, "trunc": torch.trunc, "bitwise_not": torch.bitwise_not,
+    "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1, "log": torch.log, "log2": torch.log2,
+    "log10": torch.log10, "log1p": torch.log1p, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal, "sin": torch.sin, "cos": torch.cos, "tan": torch.tan,
+    "asin": torch.asin, "acos": torch.acos, "atan": torch.atan, "sinh": torch.sinh, "cosh": torch.cosh,
+    "tanh": torch.tanh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "erf": torch.erf, "erfc": torch.erfc, "erfinv": torch.erfinv, "sigmoid": torch.sigmoid,
+    "lgamma": torch.lgamma, "digamma": torch.digamma,
+    "logical_not": torch.logical_not, "isnan": torch.isnan, "isinf": torch.isinf,
+}
+
+
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype.is_floating_point:
+        return torch.div(a, b)
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+_BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": _div,
+    "floordiv": lambda a, b: torch.div(a, b, rounding_mode="floor"),
+    "fmod": torch.fmod, "remainder": torch.remainder, "maximum": torch.maximum, "minimum": torch.minimum,
+    "pow": torch.pow, "atan2": torch.atan2, "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
+    "bitwise_xor": torch.bitwise_xor, "shl": torch.bitwise_left_shift, "shr": torch.bitwise_right_shift,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+}
+
+_REDUCE = {"sum": torch.sum, "prod": torch.prod}
+
+
+def _reduce(node: Node, x: torch.Tensor) -> torch.Tensor:
+    fn, axes = node.attr("fn"), node.attr("axes")
+    if not axes:
+        return x.clone()
+    if fn in _REDUCE:
+        if x.numel() == 0:
+            init = 0 if fn == "sum" else 1
+            return torch.full(node.shape, init, dtype=x.dtype)
+        out = x
+        if fn == "prod":
+            for a in sorted(axes, reverse=True):
+                out = torch.prod(out, dim=a, keepdim=True)
+            return out
+        return torch.sum(x, dim=axes, keepdim=True, dtype=x.dtype)
+    return torch.amax(x, dim=axes, keepdim=True) if fn == "max" else torch.amin(x, dim=axes, keepdim=True)
+
+
+def _slice(node: Node, x: torch.Tensor) -> torch.Tensor:
+    index = []
+    for s, st, sz in zip(node.attr("start"), node.attr("step"), node.attr("size")):
+        index.append(torch.arange(sz, dtype=torch.int64) * st + s)
+    out = x
+    for dim, idx in enumerate(index):
+        out = out.index_select(dim, idx)
+    return out
+
+
+def _pad(node: Node, x: torch.Tensor) -> torch.Tensor:
+    out = torch.full(node.shape, node.attr("value"), dtype=x.dtype)
+    region = tuple(slice(lo, lo + d) for lo, d in zip(node.attr("low"), x.shape))
+    out[region] = x
+    return out
+
+
+def _conv(node: Node, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    fn = {3: torch.nn.functional.conv1d, 4: torch.nn.functional.conv2d, 5: torch.nn.functional.conv3d}[x.dim()]
+    return fn(x, w, None, node.attr("stride"), node.attr("padding"), node.attr("dilation"), node.attr("groups"))
+
+
+def _iota(node: Node) -> torch.Tensor:
+    axis, shape = node.attr("axis"), node.shape
+    r = torch.arange(shape[axis], dtype=node.dtype.torch)
+    view = [1] * len(shape)
+    view[axis] = shape[axis]
+    return r.reshape(view).expand(shape).contiguous()
+
+
+def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = None) -> torch.Tensor:
+    """Evaluate one node given its operand values (``graph`` supplies param tensors)."""
+    op = node.op
+    if op in _UNARY:
+        return _UNARY[op](args[0])
+    if op in _BINARY:
+        return _BINARY[op](args[0], args[1])
+    if op == "where":
+        return torch.where(args[0], args[1], args[2])
+    if op == "cast":
+        return args[0].to(node.dtype.torch)
+    if op == "reduce":
+        return _reduce(node, args[0])
+    if op == "reshape":
+        return args[0].reshape(node.shape)
+    if op == "permute":
+        return args[0].permute(node.attr("perm"))
+    if op == "expand":
+        return args[0].expand(node.shape)
+    if op == "slice":
+        return _slice(node, args[0])
+    if op == "pad":
+        return _pad(node, args[0])
+    if op == "concat":
+        return torch.cat(list(args), dim=node.attr("axis"))
+    if op == "gather":
+        x, idx = args
+        return torch.gather(x, node.attr("axis"), idx.to(torch.int64))
+    if op == "matmul":
+        return torch.matmul(args[0], args[1])
+    if op == "conv":
+        return _conv(node, args[0], args[1])
+    if op == "full":
+        return torch.full(node.shape, node.attr("value"), dtype=node.dtype.torch)
+    if op == "iota":
+        return _iota(node)
+    if op == "param":
+        if graph is None:
+            raise ValueError("evaluating a param node needs the graph")
+        return graph.params[node.attr("name")]
+    raise NotImplementedError(f"reference executor: no rule for op {op!r}")
+
+
+def run_graph(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run ``graph`` on flat input tensors; returns the flat outputs (contiguous CPU tensors)."""
+    if len(inputs) != len(graph.inputs):
+        raise ValueError(f"graph @{graph.name} takes {len(graph.inputs)} inputs, got {len(inputs)}")
+    env: dict[int, torch.Tensor] = {}
+    for node, value in zip(graph.inputs, inputs):
+        env[id(node)] = value
+    remaining = {id(n): 0 for n in graph.nodes}
+    for n in graph.nodes:
+        for i in n.inputs:
+            remaining[id(i)] += 1
+    keep = {id(o) for o in graph.outputs}
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node.op == "input":
+                continue
+            env[id(node)] = eval_node(node, [env[id(i)] for i in node.inputs], graph)
+            for i in node.inputs:  # free intermediates as soon as their last user ran
+                remaining[id(i)] -= 1
+                if remaining[id(i)] == 0 and id(i) not in keep:
+                    env.pop(id(i), None)
+    return [env[id(o)].contiguous() for o in graph.outputs]

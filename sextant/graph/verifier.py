@@ -1,0 +1,56 @@
+"""Structural and type checks for a graph, run after capture and after every pass."""
+
+from __future__ import annotations
+
+from sextant.graph.ir import Graph, Node
+from sextant.graph.ops import ALL_OPS, IRTypeError, infer_type
+
+
+class VerificationError(ValueError):
+    """The graph breaks an IR invariant; the message names the node and the rule."""
+
+
+def verify(graph: Graph, *, where: str = "") -> None:
+    ctx = f" (after {where})" if where else ""
+    defined: set[int] = set()
+    errors: list[str] = []
+
+    def fail(node: Node | None, msg: str) -> None:
+        errors.append(f"{node!r}: {msg}" if node is not None else msg)
+
+    for node in graph.nodes:
+        if id(node) in defined:
+            fail(node, "appears twice in the node list")
+            continue
+        if node.op not in ALL_OPS:
+            fail(node, f"unknown op {node.op!r}")
+        for operand in node.inputs:
+            if id(operand) not in defined:
+                fail(node, f"uses {operand!r} before it is defined (or it is not in the graph)")
+        try:
+            t = infer_type(node.op, [i.type for i in node.inputs], node.attr_dict)
+            if t != node.type:
+                fail(node, f"stored type {node.type} but its operands give {t}")
+        except IRTypeError as e:
+            fail(node, str(e))
+        if node.op == "param":
+            tensor = graph.params.get(node.attr("name"))
+            if tensor is None:
+                fail(node, f"param {node.attr('name')!r} has no tensor")
+            elif tuple(tensor.shape) != node.shape or tensor.dtype != node.dtype.torch:
+                fail(node, f"param tensor is {tuple(tensor.shape)} {tensor.dtype}, node says {node.type}")
+        defined.add(id(node))
+
+    input_nodes = [n for n in graph.nodes if n.op == "input"]
+    if [id(n) for n in input_nodes] != [id(n) for n in graph.inputs] and \
+            sorted(map(id, input_nodes)) != sorted(map(id, graph.inputs)):
+        fail(None, "graph.inputs differ from the input nodes in the node list")
+    if [n.attr("index") for n in graph.inputs] != list(range(len(graph.inputs))):
+        fail(None, "input indices must be 0..n-1 in order")
+    for out in graph.outputs:
+        if id(out) not in defined:
+            fail(out, "is an output but not in the node list")
+    if errors:
+        shown = "\n  ".join(errors[:20])
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise VerificationError(f"graph @{graph.name} is invalid{ctx}:\n  {shown}{more}")
