@@ -1,0 +1,162 @@
+"""Capture: nn.Module + example inputs → torch.export → Core ATen → sextant graph IR."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from sextant.errors import ExportError, UnsupportedOp, UnsupportedOpError
+from sextant.frontend.lowerings import LOWERINGS, LoweringContext, Unsupported
+from sextant.frontend.source import module_path, short_loc, user_frame
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Graph, Node
+from sextant.graph.verifier import verify
+
+
+def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None) -> ExportedProgram:
+    """torch.export + Core ATen decompositions, with torch's failures explained."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"sextant.capture expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    try:
+        ep = torch.export.export(module, args, dict(kwargs or {}), strict=False)
+    except Exception as e:  # torch raises many types here; all mean "could not trace"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(
+            f"torch.export could not capture {type(module).__name__}: {type(e).__name__}: {first}\n"
+            "sextant needs a graph that torch.export can trace (no data-dependent Python control flow, "
+            "tensor or pytree outputs). The original error is attached as __cause__."
+        ) from e
+    try:
+        return ep.run_decompositions()
+    except Exception as e:
+        raise ExportError(f"Core ATen decomposition failed: {type(e).__name__}: {e}") from e
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _unsupported(node: torch.fx.Node, reason: str = "") -> UnsupportedOp:
+    frame = user_frame(node)
+    source = f"{frame[0]}:{frame[1]}" if frame else "<unknown source>"
+    return UnsupportedOp(_op_name(node.target), source, frame[2] if frame else "", module_path(node), reason)
+
+
+def find_unsupported(ep: ExportedProgram) -> list[UnsupportedOp]:
+    """Every op occurrence with no lowering (all at once, so the user sees the whole list)."""
+    items = []
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target is not operator.getitem and node.target not in LOWERINGS:
+            items.append(_unsupported(node))
+    return items
+
+
+def _check_dtype(node: torch.fx.Node, val: Any) -> list[UnsupportedOp]:
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    bad = []
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            try:
+                DType.from_torch(v.dtype)
+            except TypeError as e:
+                bad.append(_unsupported(node, str(e)))
+    return bad
+
+
+def translate(ep: ExportedProgram, name: str = "main") -> Graph:
+    """Translate an exported (decomposed) program into a verified graph."""
+    problems = find_unsupported(ep)
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" or (node.op == "call_function" and node.target in LOWERINGS):
+            problems += _check_dtype(node, node.meta.get("val"))
+    if problems:
+        raise UnsupportedOpError(problems)
+
+    b = GraphBuilder(name)
+    env: dict[str, Any] = {}
+    sig = ep.graph_signature
+    state = {**ep.state_dict, **ep.constants}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for spec, ph in zip(sig.input_specs, placeholders):
+        if spec.kind == InputKind.USER_INPUT:
+            val = ph.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                env[ph.name] = val  # a specialised non-tensor input (int, float, None)
+                continue
+            user_name = spec.arg.name if isinstance(spec.arg, TensorArgument) else ph.name
+            env[ph.name] = b.input(user_name, tuple(val.shape), DType.from_torch(val.dtype))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            tensor = state[spec.target]
+            b.loc = None
+            env[ph.name] = b.param(spec.target, tensor)
+        else:
+            raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} input>", "<graph signature>", "", "",
+                                                    "only user inputs, parameters, buffers and constants")])
+
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+        if node.target is operator.getitem:
+            env[node.name] = args[0][args[1]]
+            continue
+        b.loc = short_loc(node)
+        try:
+            env[node.name] = LOWERINGS[node.target](LoweringContext(b, node), *args, **kwargs)
+        except Unsupported as e:
+            raise UnsupportedOpError([_unsupported(node, str(e))]) from None
+        _check_result(node, env[node.name])
+
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    results = out_node.args[0]
+    outputs = []
+    for spec, r in zip(sig.output_specs, results):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} output>", "<graph signature>", "", "",
+                                                    "the model mutates its inputs or buffers in forward()")])
+        value = env[r.name] if isinstance(r, torch.fx.Node) else r
+        if not isinstance(value, Node):
+            raise UnsupportedOpError([UnsupportedOp("<non-tensor output>", "<graph signature>", "", "",
+                                                    f"output {value!r} is not a tensor")])
+        outputs.append(value)
+    graph = b.build(outputs, ep.call_spec.in_spec, ep.call_spec.out_spec)
+    verify(graph, where="capture")
+    return graph
+
+
+def _check_result(node: torch.fx.Node, value: Any) -> None:
+    """A lowering must produce exactly the shapes and dtypes torch recorded (catches lowering bugs early)."""
+    val = node.meta.get("val")
+    pairs = list(zip(value, val)) if isinstance(value, (tuple, list)) else [(value, val)]
+    for got, want in pairs:
+        if isinstance(got, Node) and isinstance(want, torch.Tensor):
+            exp = (tuple(int(d) for d in want.shape), DType.from_torch(want.dtype))
+            if (got.shape, got.dtype) != exp:
+                raise AssertionError(
+                    f"lowering of {_op_name(node.target)} produced {got.type}, torch says "
+                    f"{exp[1].value}{list(exp[0])} (at {short_loc(node)})"
+                )
+
+
+def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
+            name: str | None = None) -> Graph:
+    """Capture ``module(*args, **kwargs)`` as sextant graph IR (parameters become named constants)."""
+    ep = export(module, args, kwargs)
+    return translate(ep, name or _graph_name(module))
+
+
+def _graph_name(module: torch.nn.Module) -> str:
+    import re
+
+    return re.sub(r"\W", "_", type(module).__name__) or "main"

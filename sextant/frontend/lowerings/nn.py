@@ -1,0 +1,238 @@
+"""Lowerings of matmul, convolution, pooling, and tensor-creation ATen ops."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from torch.ops import aten
+
+
+# -- matmul --------------------------------------------------------------------------------------
+@lower(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def _mm(ctx: LoweringContext, a: Node, b: Node) -> Node:
+    return ctx.b.matmul(a, b)
+
+
+@lower(aten.dot.default, aten.vdot.default)
+def _dot(ctx: LoweringContext, a: Node, b: Node) -> Node:
+    return ctx.b.matmul(a, b)
+
+
+@lower(aten.mv.default)
+def _mv(ctx: LoweringContext, a: Node, v: Node) -> Node:
+    return ctx.b.matmul(a, v)
+
+
+def _scaled(b: GraphBuilder, x: Node, s) -> Node:
+    return x if s == 1 else b.mul(x, s)
+
+
+@lower(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
+def _addmm(ctx: LoweringContext, bias: Node, a: Node, m: Node, *, beta=1, alpha=1) -> Node:
+    b = ctx.b
+    prod = _scaled(b, b.matmul(a, m), alpha)
+    if beta == 0:
+        return b.broadcast_to(prod, ctx.out_shape())
+    return b.add(prod, _scaled(b, b.cast(bias, prod.dtype), beta))
+
+
+# -- convolution ---------------------------------------------------------------------------------
+def _per_dim(v, n: int) -> tuple[int, ...]:
+    v = [v] if isinstance(v, int) else list(v)
+    return tuple(v * n if len(v) == 1 else v)
+
+
+@lower(aten.convolution.default)
+def _convolution(ctx: LoweringContext, x: Node, w: Node, bias, stride, padding, dilation, transposed: bool,
+                 output_padding, groups: int) -> Node:
+    if transposed:
+        raise Unsupported("transposed convolution")
+    b = ctx.b
+    batched = x.type.rank == w.type.rank
+    if not batched:
+        x = b.reshape(x, (1,) + x.shape)
+    n = x.type.rank - 2
+    out = b.emit("conv", [x, w], stride=_per_dim(stride, n), padding=_per_dim(padding, n),
+                 dilation=_per_dim(dilation, n), groups=groups)
+    if bias is not None:
+        out = b.add(out, b.reshape(b.cast(bias, out.dtype), (1, bias.shape[0]) + (1,) * n))
+    return b.reshape(out, ctx.out_shape())
+
+
+# -- pooling: windows become strided slices of a padded input ------------------------------------
+def _windows(ctx: LoweringContext, x: Node, kernel, stride, padding, dilation, ceil_mode: bool, fill):
+    """Yield (window offset, strided-slice node) for each kernel offset, plus output spatial shape.
+
+    Output position o of spatial dim d reads padded index o*stride + k*dilation.
+    """
+    b = ctx.b
+    nsp = len(kernel)
+    lead = x.type.rank - nsp
+    out_sp = ctx.out_shape(0 if isinstance(ctx.meta, (tuple, list)) else None)[lead:]
+    low = [0] * lead + list(padding)
+    high = [0] * lead
+    for d in range(nsp):
+        need = (out_sp[d] - 1) * stride[d] + (kernel[d] - 1) * dilation[d] + 1
+        high.append(max(need - x.shape[lead + d] - padding[d], 0))
+    padded = b.pad(x, low, high, fill)
+    for offs in itertools.product(*(range(k) for k in kernel)):
+        y = padded
+        for d in range(nsp):
+            y = b.slice(y, lead + d, offs[d] * dilation[d], out_sp[d], stride[d])
+        yield offs, y, out_sp
+
+
+def _pool_args(x: Node, kernel, stride, padding, dilation, nsp: int):
+    kernel = _per_dim(kernel, nsp)
+    stride = _per_dim(stride, nsp) if stride else kernel
+    return kernel, stride, _per_dim(padding, nsp), _per_dim(dilation, nsp)
+
+
+def _lowest(dtype: DType) -> float | int:
+    if dtype.is_float:
+        return -math.inf
+    return torch.iinfo(dtype.torch).min
+
+
+@lower(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+def _max_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    b = ctx.b
+    nsp = 2 if ctx.fx_node.target == aten.max_pool2d_with_indices.default else 3
+    kernel, stride, padding, dilation = _pool_args(x, kernel, stride, padding, dilation, nsp)
+    lead = x.type.rank - nsp
+    in_sp = x.shape[lead:]
+    best = best_idx = None
+    for offs, v, out_sp in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, _lowest(x.dtype)):
+        # flat index into the unpadded spatial plane of the element each output reads
+        flat = None
+        for d in range(nsp):
+            pos = b.sub(b.mul(b.iota(v.shape, lead + d), stride[d]), padding[d] - offs[d] * dilation[d])
+            flat = pos if flat is None else b.add(b.mul(flat, in_sp[d]), pos)
+        if best is None:
+            best, best_idx = v, flat
+            continue
+        take = b.binary("gt", v, best)
+        if v.dtype.is_float:
+            take = b.binary("bitwise_or", take, b.unary("isnan", v))
+        best = b.where(take, v, best)
+        best_idx = b.where(take, flat, best_idx)
+    return best, best_idx
+
+
+@lower(aten.avg_pool2d.default, aten.avg_pool3d.default, aten.avg_pool1d.default)
+def _avg_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, ceil_mode=False,
+              count_include_pad=True, divisor_override=None) -> Node:
+    b = ctx.b
+    nsp = {aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2}.get(ctx.fx_node.target, 3)
+    kernel, stride, padding, dilation = _pool_args(x, kernel, stride, padding, 1, nsp)
+    lead = x.type.rank - nsp
+    total = None
+    out_sp: tuple[int, ...] = ()
+    for _, v, out_sp in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, 0):
+        total = v if total is None else b.add(total, v)
+    if divisor_override:
+        return b.div(total, float(divisor_override))
+    # Divisor per output position: window size clipped to the (padded or real) input.
+    counts = torch.ones(out_sp, dtype=torch.float64)
+    for d in range(nsp):
+        n = x.shape[lead + d]
+        c = []
+        for o in range(out_sp[d]):
+            start = o * stride[d] - padding[d]
+            end = min(start + kernel[d], n + padding[d])
+            if not count_include_pad:
+                start, end = max(start, 0), min(end, n)
+            c.append(max(end - start, 1))
+        view = [1] * nsp
+        view[d] = out_sp[d]
+        counts = counts * torch.tensor(c, dtype=torch.float64).reshape(view)
+    if bool((counts == counts.flatten()[0]).all()):
+        return b.div(total, float(counts.flatten()[0]))
+    name = f"avg_pool.divisor.{len(b.params)}"
+    div = b.param(name, counts.to(x.dtype.torch))
+    return b.div(total, b.broadcast_to(div, total.shape))
+
+
+def _adaptive_matrix(b: GraphBuilder, n_in: int, n_out: int, dtype: DType) -> Node:
+    """A [n_out, n_in] matrix averaging torch's adaptive windows [floor(i*n/o), ceil((i+1)*n/o))."""
+    m = torch.zeros(n_out, n_in, dtype=torch.float64)
+    for i in range(n_out):
+        s, e = (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+        m[i, s:e] = 1.0 / (e - s)
+    return b.param(f"adaptive_pool.{n_in}to{n_out}.{len(b.params)}", m.to(dtype.torch))
+
+
+@lower(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool1d.default)
+def _adaptive_avg_pool(ctx: LoweringContext, x: Node, output_size) -> Node:
+    b = ctx.b
+    output_size = _per_dim(output_size, 1)
+    nsp = len(output_size)
+    lead = x.type.rank - nsp
+    y = x
+    for d in range(nsp):
+        n_in, n_out = x.shape[lead + d], output_size[d]
+        if n_in == n_out:
+            continue
+        if n_in % n_out == 0:  # uniform windows: a reshape and a mean
+            k = n_in // n_out
+            axis = lead + d
+            shape = y.shape[:axis] + (n_out, k) + y.shape[axis + 1:]
+            y = b.reshape(b.mean(b.reshape(y, shape), [axis + 1]), shape[:axis] + (n_out,) + shape[axis + 2:])
+            continue
+        mat = _adaptive_matrix(b, n_in, n_out, y.dtype)
+        axis = lead + d
+        perm = [i for i in range(y.type.rank) if i != axis] + [axis]
+        yt = b.permute(y, perm)  # [..., n_in]
+        yt = b.matmul(yt, b.permute(mat, (1, 0)))  # [..., n_out]
+        inv = [perm.index(i) for i in range(y.type.rank)]
+        y = b.permute(yt, inv)
+    return b.reshape(y, ctx.out_shape())
+
+
+# -- creation --------------------------------------------------------------------------------------
+@lower(aten.full.default, aten.full_like.default, aten.new_full.default)
+def _full(ctx: LoweringContext, *args, **kwargs) -> Node:
+    value = args[1]
+    if isinstance(value, Node):
+        raise Unsupported("full with a tensor fill value")
+    return ctx.b.full(value, ctx.out_shape(), ctx.out_dtype())
+
+
+@lower(aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.empty.memory_format,
+       aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
+       aten.new_empty_strided.default)
+def _zeros(ctx: LoweringContext, *args, **kwargs) -> Node:
+    return ctx.b.full(0, ctx.out_shape(), ctx.out_dtype())
+
+
+@lower(aten.ones.default, aten.ones_like.default, aten.new_ones.default)
+def _ones(ctx: LoweringContext, *args, **kwargs) -> Node:
+    return ctx.b.full(1, ctx.out_shape(), ctx.out_dtype())
+
+
+@lower(aten.scalar_tensor.default)
+def _scalar_tensor(ctx: LoweringContext, value, **kwargs) -> Node:
+    return ctx.b.full(value, (), ctx.out_dtype())
+
+
+@lower(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def _arange(ctx: LoweringContext, *args, **kwargs) -> Node:
+    if ctx.fx_node.target == aten.arange.default:
+        start, step = 0, 1
+    else:
+        start = args[0]
+        step = args[2] if len(args) > 2 else kwargs.get("step", 1)
+    out = ctx.out_dtype()
+    n = ctx.out_shape()[0]
+    b = ctx.b
+    i = b.iota((n,), 0, out if out != DType.bool else DType.i64)
+    if step != 1:
+        i = b.mul(i, step)
+    return b.add(i, start) if start != 0 else i

@@ -1,0 +1,242 @@
+"""Lowerings of reductions and the normalisations built on them (softmax, LayerNorm, ...)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower, opmath
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from torch.ops import aten
+
+
+def _axes(x: Node, dims: Sequence[int] | int | None) -> list[int]:
+    if dims is None:
+        return list(range(x.type.rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return list(range(x.type.rank))
+    return [d % max(x.type.rank, 1) for d in dims] if x.type.rank else []
+
+
+def _finish(ctx: LoweringContext, y: Node) -> Node:
+    """Reshape a keepdim reduction result to the exact shape torch produced."""
+    return ctx.b.reshape(y, ctx.out_shape())
+
+
+@lower(aten.sum.dim_IntList, aten.sum.default)
+def _sum(ctx: LoweringContext, x: Node, dims=None, keepdim: bool = False, *, dtype=None) -> Node:
+    out = ctx.out_dtype()
+    return _finish(ctx, ctx.b.reduce("sum", ctx.b.cast(x, out), _axes(x, dims)))
+
+
+@lower(aten.prod.dim_int, aten.prod.default)
+def _prod(ctx: LoweringContext, x: Node, dim=None, keepdim: bool = False, *, dtype=None) -> Node:
+    return _finish(ctx, ctx.b.reduce("prod", ctx.b.cast(x, ctx.out_dtype()), _axes(x, dim)))
+
+
+@lower(aten.mean.dim, aten.mean.default)
+def _mean(ctx: LoweringContext, x: Node, dims=None, keepdim: bool = False, *, dtype=None) -> Node:
+    out = ctx.out_dtype()
+    y = ctx.b.mean(ctx.b.cast(x, opmath(out)), _axes(x, dims))
+    return _finish(ctx, ctx.b.cast(y, out))
+
+
+@lower(aten.amax.default, aten.max.default)
+def _amax(ctx: LoweringContext, x: Node, dims=None, keepdim: bool = False) -> Node:
+    return _finish(ctx, ctx.b.reduce("max", x, _axes(x, dims)))
+
+
+@lower(aten.amin.default, aten.min.default)
+def _amin(ctx: LoweringContext, x: Node, dims=None, keepdim: bool = False) -> Node:
+    return _finish(ctx, ctx.b.reduce("min", x, _axes(x, dims)))
+
+
+def arg_extreme(b: GraphBuilder, x: Node, axis: int, fn: str) -> tuple[Node, Node]:
+    """(value, index) of the max/min along ``axis`` (keepdim), first occurrence, NaN wins — as torch."""
+    m = b.reduce(fn, x, [axis])
+    hit = b.binary("eq", x, b.expand(m, x.shape))
+    if x.dtype.is_float:
+        hit = b.binary("bitwise_or", hit, b.unary("isnan", x))
+    n = x.shape[axis]
+    idx = b.where(hit, b.iota(x.shape, axis, DType.i64), b.full(n, x.shape, DType.i64))
+    return m, b.reduce("min", idx, [axis])
+
+
+@lower(aten.max.dim, aten.min.dim)
+def _max_dim(ctx: LoweringContext, x: Node, dim: int, keepdim: bool = False) -> tuple[Node, Node]:
+    fn = "max" if ctx.fx_node.target == aten.max.dim else "min"
+    if x.type.rank == 0:
+        return x, ctx.b.full(0, (), DType.i64)
+    v, i = arg_extreme(ctx.b, x, dim % x.type.rank, fn)
+    return ctx.b.reshape(v, ctx.out_shape(0)), ctx.b.reshape(i, ctx.out_shape(1))
+
+
+@lower(aten.argmax.default, aten.argmin.default)
+def _argmax(ctx: LoweringContext, x: Node, dim=None, keepdim: bool = False) -> Node:
+    fn = "max" if ctx.fx_node.target == aten.argmax.default else "min"
+    if x.type.rank == 0:
+        return ctx.b.full(0, (), DType.i64)
+    if dim is None:
+        x = ctx.b.reshape(x, (x.type.numel,))
+        dim = 0
+    _, i = arg_extreme(ctx.b, x, dim % x.type.rank, fn)
+    return ctx.b.reshape(i, ctx.out_shape())
+
+
+@lower(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
+def _any_all(ctx: LoweringContext, x: Node, dims=None, keepdim: bool = False) -> Node:
+    fn = "max" if ctx.fx_node.target.overloadpacket == aten.any else "min"
+    truth = x if x.dtype == DType.bool else ctx.b.binary("ne", x, 0)
+    return _finish(ctx, ctx.b.reduce(fn, truth, _axes(x, dims)))
+
+
+def _variance(b: GraphBuilder, x: Node, axes: list[int], correction: float) -> tuple[Node, Node]:
+    """(var, mean) over ``axes`` (keepdim), two-pass for accuracy."""
+    n = math.prod(x.shape[a] for a in axes)
+    mean = b.mean(x, axes)
+    d = b.sub(x, b.expand(mean, x.shape))
+    ss = b.reduce("sum", b.mul(d, d), axes)
+    return b.div(ss, float(max(n - correction, 0))), mean
+
+
+@lower(aten.var.correction)
+def _var(ctx: LoweringContext, x: Node, dims=None, *, correction=None, keepdim: bool = False) -> Node:
+    out = ctx.out_dtype()
+    y = ctx.b.cast(x, opmath(out))
+    var, _ = _variance(ctx.b, y, _axes(x, dims), 1 if correction is None else correction)
+    return _finish(ctx, ctx.b.cast(var, out))
+
+
+@lower(aten.var_mean.correction)
+def _var_mean(ctx: LoweringContext, x: Node, dims=None, *, correction=None, keepdim: bool = False):
+    out = ctx.out_dtype(0)
+    y = ctx.b.cast(x, opmath(out))
+    var, mean = _variance(ctx.b, y, _axes(x, dims), 1 if correction is None else correction)
+    return (ctx.b.reshape(ctx.b.cast(var, out), ctx.out_shape(0)),
+            ctx.b.reshape(ctx.b.cast(mean, out), ctx.out_shape(1)))
+
+
+def _scan(ctx: LoweringContext, x: Node, dim: int, fn: str) -> Node:
+    """Inclusive prefix sum/prod along ``dim`` as a masked reduction: y[i] = ⊕_{j<=i} x[j]."""
+    b = ctx.b
+    out = ctx.out_dtype()
+    x = b.cast(x, out)
+    if x.type.rank == 0:
+        return x
+    dim %= x.type.rank
+    n = x.shape[dim]
+    perm = [d for d in range(x.type.rank) if d != dim] + [dim]
+    xt = b.permute(x, perm)  # [..., n]
+    lead = xt.shape[:-1]
+    xe = b.expand(b.reshape(xt, (*lead, 1, n)), (*lead, n, n))  # [..., i, j]
+    mask = b.binary("le", b.iota((n, n), 1), b.iota((n, n), 0))  # j <= i
+    masked = b.where(b.broadcast_to(mask, xe.shape), xe, 0 if fn == "sum" else 1)
+    y = b.reshape(b.reduce(fn, masked, [len(lead) + 1]), (*lead, n))
+    inv = [perm.index(d) for d in range(x.type.rank)]
+    return b.permute(y, inv)
+
+
+@lower(aten.cumsum.default)
+def _cumsum(ctx: LoweringContext, x: Node, dim: int, *, dtype=None) -> Node:
+    return _scan(ctx, x, dim, "sum")
+
+
+@lower(aten.cumprod.default)
+def _cumprod(ctx: LoweringContext, x: Node, dim: int, *, dtype=None) -> Node:
+    return _scan(ctx, x, dim, "prod")
+
+
+@lower(aten._softmax.default, aten._log_softmax.default)
+def _softmax(ctx: LoweringContext, x: Node, dim: int, half_to_float: bool) -> Node:
+    b = ctx.b
+    out = ctx.out_dtype()
+    if x.type.rank == 0:
+        return b.full(0.0 if ctx.fx_node.target == aten._log_softmax.default else 1.0, (), out)
+    y = b.cast(x, opmath(x.dtype))
+    dim %= x.type.rank
+    shifted = b.sub(y, b.expand(b.reduce("max", y, [dim]), y.shape))
+    e = b.unary("exp", shifted)
+    s = b.reduce("sum", e, [dim])
+    if ctx.fx_node.target == aten._log_softmax.default:
+        r = b.sub(shifted, b.expand(b.unary("log", s), y.shape))
+    else:
+        r = b.div(e, b.expand(s, y.shape))
+    return b.cast(r, out)
+
+
+@lower(aten.logsumexp.default)
+def _logsumexp(ctx: LoweringContext, x: Node, dims, keepdim: bool = False) -> Node:
+    b = ctx.b
+    out = ctx.out_dtype()
+    y = b.cast(x, opmath(out))
+    axes = _axes(x, dims)
+    m = b.reduce("max", y, axes)
+    # A row of -inf (or +inf) would give inf - inf; shift by 0 there, as torch does.
+    m = b.where(b.unary("isinf", m), 0.0, m)
+    s = b.reduce("sum", b.unary("exp", b.sub(y, b.expand(m, y.shape))), axes)
+    return _finish(ctx, b.cast(b.add(b.unary("log", s), m), out))
+
+
+@lower(aten.native_layer_norm.default)
+def _layer_norm(ctx: LoweringContext, x: Node, normalized_shape, weight, bias, eps: float):
+    b = ctx.b
+    y = b.cast(x, opmath(x.dtype))
+    k = len(normalized_shape)
+    axes = list(range(x.type.rank - k, x.type.rank))
+    var, mean = _variance(b, y, axes, 0)
+    rstd = b.unary("rsqrt", b.add(var, float(eps)))
+    out = b.mul(b.sub(y, b.expand(mean, y.shape)), b.expand(rstd, y.shape))
+    if weight is not None:
+        out = b.mul(out, b.cast(weight, out.dtype))
+    if bias is not None:
+        out = b.add(out, b.cast(bias, out.dtype))
+    return (b.cast(out, x.dtype), b.reshape(b.cast(mean, ctx.out_dtype(1)), ctx.out_shape(1)),
+            b.reshape(b.cast(rstd, ctx.out_dtype(2)), ctx.out_shape(2)))
+
+
+def _channel(b: GraphBuilder, v: Node, rank: int, dtype: DType) -> Node:
+    """A per-channel vector [C] shaped to broadcast against [N, C, *spatial]."""
+    return b.reshape(b.cast(v, dtype), (1, v.shape[0]) + (1,) * (rank - 2))
+
+
+@lower(aten._native_batch_norm_legit_no_training.default)
+def _batch_norm_eval(ctx: LoweringContext, x: Node, weight, bias, running_mean, running_var,
+                     momentum: float, eps: float):
+    b = ctx.b
+    t = opmath(x.dtype)
+    y = b.cast(x, t)
+    scale = b.unary("rsqrt", b.add(b.cast(running_var, t), float(eps)))
+    if weight is not None:
+        scale = b.mul(scale, b.cast(weight, t))
+    shift = b.unary("neg", b.mul(b.cast(running_mean, t), scale))
+    if bias is not None:
+        shift = b.add(shift, b.cast(bias, t))
+    out = b.add(b.mul(y, _channel(b, scale, y.type.rank, t)), _channel(b, shift, y.type.rank, t))
+    empty = b.full(0, (0,), ctx.out_dtype(1))
+    return b.cast(out, x.dtype), empty, empty
+
+
+@lower(aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
+       aten._native_batch_norm_legit_functional.default)
+def _batch_norm_train(ctx: LoweringContext, *args, **kwargs):
+    raise Unsupported("batch norm in training mode (call model.eval() before compiling)")
+
+
+@lower(aten.native_group_norm.default)
+def _group_norm(ctx: LoweringContext, x: Node, weight, bias, n: int, c: int, hw: int, groups: int, eps: float):
+    b = ctx.b
+    t = opmath(x.dtype)
+    y = b.reshape(b.cast(x, t), (n, groups, (c // groups) * hw))
+    var, mean = _variance(b, y, [2], 0)
+    rstd = b.unary("rsqrt", b.add(var, float(eps)))
+    out = b.reshape(b.mul(b.sub(y, b.expand(mean, y.shape)), b.expand(rstd, y.shape)), x.shape)
+    if weight is not None:
+        out = b.mul(out, _channel(b, weight, x.type.rank, t))
+    if bias is not None:
+        out = b.add(out, _channel(b, bias, x.type.rank, t))
+    return (b.cast(out, x.dtype), b.reshape(b.cast(mean, ctx.out_dtype(1)), ctx.out_shape(1)),
+            b.reshape(b.cast(rstd, ctx.out_dtype(2)), ctx.out_shape(2)))
