@@ -16,7 +16,7 @@ from sextant.frontend.lowerings import LOWERINGS, LoweringContext, Unsupported
 from sextant.frontend.source import module_path, short_loc, user_frame
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Graph, Node
+from sextant.graph.ir import Graph, InputLeaf, Node
 from sextant.graph.verifier import verify
 
 
@@ -88,14 +88,17 @@ def translate(ep: ExportedProgram, name: str = "main") -> Graph:
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    leaves: list[InputLeaf] = []
     for spec, ph in zip(sig.input_specs, placeholders):
         if spec.kind == InputKind.USER_INPUT:
             val = ph.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                env[ph.name] = val  # a specialised non-tensor input (int, float, None)
+            if not isinstance(spec.arg, TensorArgument) or not isinstance(val, torch.Tensor):
+                value = getattr(spec.arg, "value", val)
+                env[ph.name] = value  # a specialised non-tensor input (int, float, bool, None)
+                leaves.append(InputLeaf(spec.arg.name, None, value))
                 continue
-            user_name = spec.arg.name if isinstance(spec.arg, TensorArgument) else ph.name
-            env[ph.name] = b.input(user_name, tuple(val.shape), DType.from_torch(val.dtype))
+            env[ph.name] = b.input(spec.arg.name, tuple(val.shape), DType.from_torch(val.dtype))
+            leaves.append(InputLeaf(spec.arg.name, len(b.inputs) - 1))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = state[spec.target]
             b.loc = None
@@ -130,7 +133,7 @@ def translate(ep: ExportedProgram, name: str = "main") -> Graph:
             raise UnsupportedOpError([UnsupportedOp("<non-tensor output>", "<graph signature>", "", "",
                                                     f"output {value!r} is not a tensor")])
         outputs.append(value)
-    graph = b.build(outputs, ep.call_spec.in_spec, ep.call_spec.out_spec)
+    graph = b.build(outputs, ep.call_spec.in_spec, ep.call_spec.out_spec, leaves)
     verify(graph, where="capture")
     return graph
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Graph, Node, make_node
+from sextant.graph.ir import Graph, InputLeaf, Node, make_node
 
 Operand = Node | int | float | bool
 
@@ -66,9 +66,10 @@ class GraphBuilder:
     def arange(self, n: int, dtype: DType = DType.i64) -> Node:
         return self.iota((n,), 0, dtype)
 
-    def build(self, outputs: Sequence[Node], in_spec: object = None, out_spec: object = None) -> Graph:
+    def build(self, outputs: Sequence[Node], in_spec: object = None, out_spec: object = None,
+              leaves: Sequence[InputLeaf] = ()) -> Graph:
         return Graph(self.name, tuple(self.nodes), tuple(self.inputs), tuple(outputs), dict(self.params),
-                     in_spec, out_spec)
+                     in_spec, out_spec, tuple(leaves))
 
     # -- conversions -----------------------------------------------------------------------
     def cast(self, x: Node, dtype: DType) -> Node:

@@ -9,7 +9,7 @@ behind its ``param`` nodes. Passes never mutate: they build a new graph.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -76,6 +76,16 @@ def make_node(op: str, inputs: Iterable[Node] = (), attrs: Mapping[str, Any] | N
 
 
 @dataclass(frozen=True)
+class InputLeaf:
+    """One flat leaf of the module's (args, kwargs) pytree: a tensor input, or a value torch.export
+    specialised the graph for (an int, a bool, None) that calls must repeat."""
+
+    name: str
+    input_index: int | None
+    value: Any = None
+
+
+@dataclass(frozen=True)
 class Graph:
     """A whole program in graph IR.
 
@@ -90,6 +100,7 @@ class Graph:
     params: Mapping[str, torch.Tensor] = field(default_factory=dict)
     in_spec: Any = None
     out_spec: Any = None
+    leaves: tuple[InputLeaf, ...] = ()
 
     def __str__(self) -> str:
         from sextant.graph.printer import print_graph
@@ -101,8 +112,8 @@ class Graph:
         """A copy with new nodes/outputs; inputs are taken from ``nodes``' input ops."""
         nodes = tuple(nodes)
         by_index = sorted((n for n in nodes if n.op == "input"), key=lambda n: n.attr("index"))
-        return Graph(self.name, nodes, tuple(by_index), tuple(outputs),
-                     self.params if params is None else params, self.in_spec, self.out_spec)
+        return replace(self, nodes=nodes, inputs=tuple(by_index), outputs=tuple(outputs),
+                       params=self.params if params is None else params)
 
     def users(self) -> dict[Node, list[Node]]:
         out: dict[Node, list[Node]] = {n: [] for n in self.nodes}

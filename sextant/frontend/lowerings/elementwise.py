@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+from torch.ops import aten
+
 from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower, opmath
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from torch.ops import aten
 
 # ATen unary math op -> graph-IR op. Integer inputs of float functions are promoted first.
 _UNARY = {

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+from torch.ops import aten
+
 from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from torch.ops import aten
 
 
 def _norm(d: int, rank: int) -> int:
@@ -149,7 +150,7 @@ def _repeat(ctx: LoweringContext, x: Node, repeats) -> Node:
     lead = len(repeats) - x.type.rank
     x = b.reshape(x, (1,) * lead + x.shape)
     inter = []
-    for r, d in zip(repeats, x.shape):
+    for d in x.shape:
         inter += [1, d]
     y = b.reshape(x, tuple(inter))
     y = b.expand(y, tuple(v for r, d in zip(repeats, x.shape) for v in (r, d)))

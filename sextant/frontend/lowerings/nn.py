@@ -6,12 +6,12 @@ import itertools
 import math
 
 import torch
+from torch.ops import aten
 
 from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from torch.ops import aten
 
 
 # -- matmul --------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def _max_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, dilat
     lead = x.type.rank - nsp
     in_sp = x.shape[lead:]
     best = best_idx = None
-    for offs, v, out_sp in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, _lowest(x.dtype)):
+    for offs, v, _ in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, _lowest(x.dtype)):
         # flat index into the unpadded spatial plane of the element each output reads
         flat = None
         for d in range(nsp):
@@ -134,9 +134,9 @@ def _avg_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, ceil_
     kernel, stride, padding, dilation = _pool_args(x, kernel, stride, padding, 1, nsp)
     lead = x.type.rank - nsp
     total = None
-    out_sp: tuple[int, ...] = ()
-    for _, v, out_sp in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, 0):
+    for _, v, _ in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, 0):
         total = v if total is None else b.add(total, v)
+    out_sp = total.shape[lead:]
     if divisor_override:
         return b.div(total, float(divisor_override))
     # Divisor per output position: window size clipped to the (padded or real) input.

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from torch.ops import aten
+
 from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower, opmath
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from torch.ops import aten
 
 
 def _axes(x: Node, dims: Sequence[int] | int | None) -> list[int]:

@@ -1,0 +1,163 @@
+"""Constant folding, in two stages.
+
+1. Ops on ``full`` operands whose result is uniform become a ``full`` again (elementwise ops,
+   casts, movement, reductions). The value is computed by the reference executor on
+   one-element tensors, so it matches the runtime bit for bit (integer division, casts, ...).
+2. Any other node whose operands are all constant (``full``, ``iota``, ``param``) is
+   evaluated with the reference executor and becomes a ``param`` named ``folded.<n>`` (or a
+   ``full`` if the result is uniform). Only results of at most
+   ``max(65536, largest materialised operand)`` elements fold, so e.g. an ``expand`` of a
+   weight stays lazy instead of multiplying its memory.
+
+Replacement nodes keep the ``loc`` of the node they replace.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Graph, Node, make_node
+from sextant.graph.ops import SOURCES, is_elementwise
+from sextant.graph.passes.dce import live_nodes
+from sextant.graph.passes.rewrite import rebuild, replace_nodes
+from sextant.graph.reference import eval_node
+
+MIN_FOLD_NUMEL = 65536
+_SAME_VALUE_MOVEMENT = frozenset({"reshape", "permute", "expand", "slice", "gather"})
+
+
+def _scalar(value: object, dtype: DType) -> int | float | bool:
+    """``value`` as the Python type a ``full`` of ``dtype`` stores."""
+    return bool(value) if dtype == DType.bool else int(value) if dtype.is_int else float(value)
+
+
+def _same(a: float, b: float) -> bool:
+    """Equal as stored values: NaN equals NaN, 0.0 differs from -0.0."""
+    return (a != a and b != b) or (a == b and math.copysign(1.0, a) == math.copysign(1.0, b))
+
+
+def _wrap_int(v: int, dtype: DType) -> int:
+    bits = 8 * dtype.itemsize
+    v %= 1 << bits
+    return v - (1 << bits) if v >= 1 << (bits - 1) else v
+
+
+def _reduce_full(node: Node, value: float) -> float | None:
+    fn, dtype = node.attr("fn"), node.dtype
+    count = math.prod(node.inputs[0].shape[a] for a in node.attr("axes"))
+    if fn in ("max", "min"):
+        return value if count else None  # max/min of nothing has no value
+    if dtype.is_int:
+        return _wrap_int(value * count if fn == "sum" else pow(value, count, 1 << 64), dtype)
+    v = torch.tensor(value, dtype=dtype.torch).double()  # round the operand to its dtype first
+    r = v * count if fn == "sum" else v.pow(count)
+    return r.to(dtype.torch).item()
+
+
+def uniform_value(node: Node) -> int | float | bool | None:
+    """The value of ``node`` if all operands are ``full`` and its result is uniform, else None."""
+    if node.op in SOURCES or not all(i.op == "full" for i in node.inputs):
+        return None
+    values = [i.attr("value") for i in node.inputs]
+    if is_elementwise(node.op):
+        tiny = [torch.full((1,), v, dtype=i.dtype.torch) for v, i in zip(values, node.inputs)]
+        try:
+            return eval_node(node, tiny).item()
+        except (RuntimeError, NotImplementedError):  # the reference cannot run it either: leave it
+            return None
+    if node.op in _SAME_VALUE_MOVEMENT:
+        return values[0]
+    if node.op == "pad":
+        padded = any(node.attr("low") + node.attr("high"))
+        return values[0] if not padded or _same(values[0], node.attr("value")) else None
+    if node.op == "concat":
+        return values[0] if all(_same(values[0], v) for v in values) else None
+    if node.op == "reduce":
+        return _reduce_full(node, values[0])
+    return None  # matmul/conv: left to stage 2
+
+
+def _full(node: Node, value: object) -> Node:
+    return make_node("full", (), {"value": _scalar(value, node.dtype), "shape": node.shape, "dtype": node.dtype},
+                     node.loc)
+
+
+def fold_uniform(graph: Graph) -> Graph:
+    """Stage 1: uniform ops on ``full`` operands become ``full`` nodes."""
+    def fn(node: Node) -> Node | None:
+        v = uniform_value(node)
+        return None if v is None else _full(node, v)
+
+    return rebuild(graph, fn)
+
+
+def _uniform(t: torch.Tensor) -> bool:
+    """All elements bit-identical (so -0.0/0.0 and NaN payloads are told apart)."""
+    if t.numel() == 0:
+        return True
+    if t.dtype.is_floating_point:
+        t = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    flat = t.reshape(-1)
+    return bool((flat == flat[0]).all())
+
+
+def foldable(graph: Graph) -> set[Node]:
+    """Non-source nodes whose operands are all constant and whose size is within budget."""
+    out: set[Node] = set()
+    for n in graph.nodes:
+        if n.op in SOURCES or n.op == "input":
+            continue
+        materialised = [i.type.numel for i in n.inputs if i.op == "param" or i in out]
+        bound = max([MIN_FOLD_NUMEL, *materialised])
+        if n.type.numel <= bound and all(i in out or i.op == "param" or (i.op in ("full", "iota") and
+                                                                          i.type.numel <= bound) for i in n.inputs):
+            out.add(n)
+    return out
+
+
+def fold_subgraphs(graph: Graph) -> Graph:
+    """Stage 2: evaluate constant subgraphs; each value that escapes them becomes a param or full."""
+    live = live_nodes(graph)  # dead constants are not worth evaluating
+    fold = foldable(graph) & live
+    if not fold:
+        return graph
+    users = {n: [u for u in us if u in live] for n, us in graph.users().items()}
+    outputs = set(graph.outputs)
+    roots = {n for n in fold if n in outputs or any(u not in fold for u in users[n])}
+    remaining = {n: sum(u in fold for u in users[n]) for n in graph.nodes}
+    params = dict(graph.params)
+    counter = 0
+    env: dict[Node, torch.Tensor] = {}
+    mapping: dict[Node, Node] = {}
+    with torch.no_grad():
+        for n in graph.nodes:
+            if n not in fold:
+                continue
+            args = [env[i] if i in env else eval_node(i, [], graph) for i in n.inputs]
+            value = eval_node(n, args, graph)
+            env[n] = value
+            for i in n.inputs:  # free operands once their last folded user ran
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    env.pop(i, None)
+            if n not in roots:
+                continue
+            if remaining[n] == 0:
+                env.pop(n)
+            if _uniform(value):
+                mapping[n] = _full(n, value.reshape(-1)[0].item() if value.numel() else 0)
+                continue
+            while f"folded.{counter}" in params:
+                counter += 1
+            name = f"folded.{counter}"
+            params[name] = value.contiguous()
+            mapping[n] = make_node("param", (), {"name": name, "shape": n.shape, "dtype": n.dtype}, n.loc)
+    return replace_nodes(graph, mapping, params)
+
+
+def constant_fold(graph: Graph) -> Graph:
+    """Both stages; the folded-away nodes stay behind for :mod:`.dce` to remove."""
+    return fold_subgraphs(fold_uniform(graph))

@@ -1,0 +1,108 @@
+"""CompiledModule: the callable that ``sextant.compile`` returns, the same for every target.
+
+It owns the graph and its executor, checks each call against the example inputs the model
+was compiled for, and rebuilds the module's output structure (tuples, dicts, ModelOutputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from sextant.errors import InputError
+from sextant.graph.ir import Graph
+
+Executor = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+class CompiledModule:
+    """Behaves like the compiled ``nn.Module`` for inputs of the example shapes and dtypes."""
+
+    def __init__(self, graph: Graph, target: str, executor: Executor, *, stages: dict[str, Any] | None = None):
+        self.graph = graph
+        self.target = target
+        self._executor = executor
+        self.stages = stages or {}  # per-stage artifacts (e.g. the graph after each pass), for inspection
+
+    def __repr__(self) -> str:
+        return (f"CompiledModule(@{self.graph.name}, target={self.target!r}, "
+                f"{len(self.graph.inputs)} inputs, {len(self.graph.nodes)} graph nodes)")
+
+    def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """Validate a call and return the tensors for the graph inputs, in order."""
+        g = self.graph
+        if g.in_spec is None:
+            leaves, spec = list(args) + list(kwargs.values()), None
+        else:
+            keys = _dict_keys(g.in_spec)
+            unknown = set(kwargs) - set(keys)
+            if unknown:
+                raise InputError(f"unexpected keyword argument(s) {sorted(unknown)}; the model was compiled "
+                                 f"with keyword arguments {keys}")
+            missing = [k for k in keys if k not in kwargs]
+            if missing:
+                raise InputError(f"missing keyword argument(s) {missing} (the model was compiled with them)")
+            leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in keys}))
+            if spec != g.in_spec:
+                raise InputError(self._structure_mismatch(args, kwargs))
+        if len(leaves) != len(g.leaves):
+            raise InputError(f"expected {len(g.leaves)} argument value(s), got {len(leaves)}")
+        tensors: list[torch.Tensor] = [None] * len(g.inputs)  # type: ignore[list-item]
+        for leaf, value in zip(g.leaves, leaves):
+            if leaf.input_index is None:
+                if not _same_const(value, leaf.value):
+                    raise InputError(f"argument {leaf.name!r} was {leaf.value!r} when the model was compiled, "
+                                     f"got {value!r}; non-tensor arguments are baked into the compiled graph")
+                continue
+            node = g.inputs[leaf.input_index]
+            if not isinstance(value, torch.Tensor):
+                raise InputError(f"argument {leaf.name!r}: expected a tensor {node.type}, got {type(value).__name__}")
+            if tuple(value.shape) != node.shape:
+                raise InputError(f"argument {leaf.name!r}: expected shape {list(node.shape)}, got {list(value.shape)}")
+            if value.dtype != node.dtype.torch:
+                raise InputError(f"argument {leaf.name!r}: expected dtype {node.dtype.torch}, got {value.dtype}")
+            if value.device.type != "cpu":
+                raise InputError(f"argument {leaf.name!r}: target {self.target!r} takes CPU tensors, "
+                                 f"got a tensor on {value.device}")
+            tensors[leaf.input_index] = value
+        return tensors
+
+    def _structure_mismatch(self, args: tuple, kwargs: dict[str, Any]) -> str:
+        """Name the first argument whose nesting differs from the example inputs."""
+        expected_pos = self.graph.in_spec.children_specs[0].children_specs
+        if len(args) != len(expected_pos):
+            return f"expected {len(expected_pos)} positional argument(s), got {len(args)}"
+        names = iter(leaf.name for leaf in self.graph.leaves)
+        given = list(args) + [kwargs[k] for k in _dict_keys(self.graph.in_spec)]
+        expected = list(expected_pos) + list(self.graph.in_spec.children_specs[1].children_specs)
+        for value, want in zip(given, expected):
+            got = pytree.tree_structure(value)
+            label = next(names) if want.is_leaf() else "an argument"
+            for _ in range(max(want.num_leaves - 1, 0)):
+                next(names, None)
+            if got != want:
+                if want.is_leaf():
+                    return f"argument {label!r}: expected a tensor, got {type(value).__name__}"
+                return f"{label}: expected structure {want}, got {got}"
+        return "the arguments' structure differs from the example inputs"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outs = self._executor(self.flat_inputs(args, kwargs))
+        if self.graph.out_spec is None:
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        return pytree.tree_unflatten(outs, self.graph.out_spec)
+
+
+def _dict_keys(in_spec: pytree.TreeSpec) -> list[str]:
+    kw = in_spec.children_specs[1]
+    return list(kw.context) if kw.context else []
+
+
+def _same_const(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return a is b
