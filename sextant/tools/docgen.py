@@ -1,0 +1,167 @@
+"""Regenerate the tool output quoted in README.md and docs/*.md, so the docs cannot rot.
+
+Docs mark generated blocks like this::
+
+    <!-- sextant:begin mlp-captured -->
+    ```
+    ...output...
+    ```
+    <!-- sextant:end -->
+
+``python -m sextant.tools.docgen`` rewrites every block from the current code;
+``--check`` exits 1 (listing the stale blocks) instead of writing — a test runs that.
+Only deterministic output is generated (no timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import sextant
+from sextant.examples import EXAMPLES
+from sextant.graph.passes import run_pipeline, trace_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_BLOCK = re.compile(r"(<!-- sextant:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- sextant:end -->)", re.S)
+
+
+class TinyBlock(nn.Module):
+    """LayerNorm → Linear → GELU with a residual: small enough to read whole."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
+
+
+class Unsupported(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ranks = torch.argsort(x, dim=-1)
+        return x.cummax(dim=-1).values + ranks
+
+
+def _tiny() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    return TinyBlock().eval(), (torch.randn(2, 8),)
+
+
+def _relative(text: str) -> str:
+    return text.replace(str(ROOT) + "/", "")
+
+
+def snippet_tiny_captured() -> str:
+    return str(sextant.capture(*_tiny()))
+
+
+def snippet_tiny_optimised() -> str:
+    return str(run_pipeline(sextant.capture(*_tiny())))
+
+
+def snippet_tiny_print_after_all() -> str:
+    buf = io.StringIO()
+    run_pipeline(sextant.capture(*_tiny()), ["simplify", "constant_fold", "cse", "dce"], print_after_all=True,
+                 stream=buf)
+    return buf.getvalue().rstrip()
+
+
+def snippet_mlp_optimised() -> str:
+    model, args = EXAMPLES["mlp"]()
+    return str(run_pipeline(sextant.capture(model, args)))
+
+
+def _trace_table(name: str) -> str:
+    model, args = EXAMPLES[name]()
+    graph = sextant.capture(model, args)
+    lines = [f"{'pass':<16}{'nodes before':>14}{'nodes after':>13}"]
+    for r in trace_pipeline(graph):
+        if r.changed:
+            lines.append(f"{r.name:<16}{r.nodes_before:>14}{r.nodes_after:>13}")
+    return "\n".join(lines)
+
+
+def snippet_gpt2_passes() -> str:
+    return _trace_table("gpt2")
+
+
+def snippet_gpt2_ops() -> str:
+    model, args = EXAMPLES["gpt2"]()
+    captured = sextant.capture(model, args)
+    final = run_pipeline(captured)
+    a, b = captured.op_counts(), final.op_counts()
+    lines = [f"{'op':<12}{'captured':>10}{'optimised':>11}"]
+    for op in sorted(set(a) | set(b), key=lambda o: (-a.get(o, 0), o)):
+        lines.append(f"{op:<12}{a.get(op, 0):>10}{b.get(op, 0):>11}")
+    lines.append(f"{'total':<12}{sum(a.values()):>10}{sum(b.values()):>11}")
+    return "\n".join(lines)
+
+
+def snippet_unsupported_error() -> str:
+    try:
+        sextant.capture(Unsupported(), (torch.randn(4, 8),))
+    except sextant.UnsupportedOpError as e:
+        return _relative(str(e))
+    raise AssertionError("expected UnsupportedOpError")
+
+
+SNIPPETS: dict[str, Callable[[], str]] = {
+    "tiny-captured": snippet_tiny_captured,
+    "tiny-optimised": snippet_tiny_optimised,
+    "tiny-print-after-all": snippet_tiny_print_after_all,
+    "mlp-optimised": snippet_mlp_optimised,
+    "gpt2-passes": snippet_gpt2_passes,
+    "gpt2-ops": snippet_gpt2_ops,
+    "unsupported-error": snippet_unsupported_error,
+}
+
+
+def render(text: str, cache: dict[str, str]) -> tuple[str, list[str]]:
+    """Return ``text`` with every block regenerated, and the names of blocks that changed."""
+    changed: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        name = m["name"]
+        if name not in SNIPPETS:
+            raise KeyError(f"unknown docs snippet {name!r} (known: {', '.join(SNIPPETS)})")
+        if name not in cache:
+            cache[name] = SNIPPETS[name]()
+        body = f"```\n{cache[name]}\n```\n"
+        if body != m["body"]:
+            changed.append(name)
+        return m.group(1) + body + m.group(4)
+
+    return _BLOCK.sub(sub, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sextant.tools.docgen", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="report stale blocks instead of rewriting them")
+    ns = ap.parse_args(argv)
+    cache: dict[str, str] = {}
+    stale = []
+    for path in DOCS:
+        text = path.read_text()
+        new, changed = render(text, cache)
+        stale += [f"{path.relative_to(ROOT)}: {c}" for c in changed]
+        if changed and not ns.check:
+            path.write_text(new)
+    if stale:
+        print(("stale: " if ns.check else "updated: ") + ", ".join(stale))
+        return 1 if ns.check else 0
+    print("docs up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
