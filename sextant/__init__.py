@@ -4,7 +4,7 @@
     compiled(x)                               # behaves like model(x)
 """
 
-from sextant.api import compile  # noqa: A004  (imports passes lazily below)
+from sextant.api import compile
 from sextant.errors import ExportError, InputError, SextantError, UnsupportedOpError
 from sextant.frontend.capture import capture
 from sextant.runtime.compiled import CompiledModule

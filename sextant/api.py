@@ -16,7 +16,7 @@ TARGETS = ("reference",)
 PLANNED_TARGETS = ("cpu", "cuda", "cuda-sim")
 
 
-def compile(  # noqa: A001 - mirrors torch.compile
+def compile(  # mirrors torch.compile
     module: torch.nn.Module,
     args: tuple,
     kwargs: Mapping[str, Any] | None = None,

@@ -29,7 +29,7 @@ def _fresh(args: tuple) -> list[torch.Tensor]:
 
 def run_demo(name: str = "mlp", *, show_ir: bool = True, out: TextIO = sys.stdout) -> float:
     """Run the demo on example ``name``; returns the max abs difference from eager."""
-    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p = lambda *a: print(*a, file=out)
     model, args = EXAMPLES[name]()
     p(f"== sextant demo: {name} ({type(model).__name__}, {sum(x.numel() for x in model.parameters()):,} params)")
 

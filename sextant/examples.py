@@ -5,6 +5,7 @@ Each factory returns ``(module, example_args)`` with the module in eval mode.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (64, 128, 128, 10)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

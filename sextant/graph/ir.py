@@ -8,6 +8,7 @@ behind its ``param`` nodes. Passes never mutate: they build a new graph.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,10 +51,22 @@ class Node:
 
     def key(self) -> tuple:
         """Structural identity of this node given its operands (used by CSE)."""
-        return (self.op, tuple(id(i) for i in self.inputs), self.attrs, self.type)
+        return (self.op, tuple(id(i) for i in self.inputs), _attr_key(self.attrs), self.type)
 
     def __repr__(self) -> str:
         return f"Node({self.op}, {self.type}, {dict(self.attrs)})"
+
+
+def _attr_key(v: object) -> object:
+    """A hashable key that tells apart what Python's ``==`` equates: 0.0 vs -0.0, 1 vs 1.0 vs True.
+
+    Floats are keyed by their bits, so NaN matches NaN (full(nan) nodes can merge).
+    """
+    if isinstance(v, float):
+        return ("float", struct.pack("<d", v))
+    if isinstance(v, tuple):
+        return tuple(_attr_key(x) for x in v)
+    return (type(v).__name__, v)
 
 
 def freeze_attrs(attrs: Mapping[str, Any]) -> tuple[tuple[str, AttrValue], ...]:

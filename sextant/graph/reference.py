@@ -7,6 +7,7 @@ does on the CPU (internally in fp32 where torch does, rounded to the result type
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -45,14 +46,24 @@ _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 _REDUCE = {"sum": torch.sum, "prod": torch.prod}
 
 
+def _identity(fn: str, dtype: torch.dtype) -> int | float | bool:
+    """The value a reduction over no elements yields."""
+    if fn in ("sum", "prod"):
+        return 0 if fn == "sum" else 1
+    if dtype == torch.bool:
+        return fn == "min"
+    if dtype.is_floating_point:
+        return -math.inf if fn == "max" else math.inf
+    return torch.iinfo(dtype).min if fn == "max" else torch.iinfo(dtype).max
+
+
 def _reduce(node: Node, x: torch.Tensor) -> torch.Tensor:
     fn, axes = node.attr("fn"), node.attr("axes")
     if not axes:
         return x.clone()
+    if x.numel() == 0:  # the reduction's identity (torch.amax/amin reject empty dims)
+        return torch.full(node.shape, _identity(fn, x.dtype), dtype=x.dtype)
     if fn in _REDUCE:
-        if x.numel() == 0:
-            init = 0 if fn == "sum" else 1
-            return torch.full(node.shape, init, dtype=x.dtype)
         out = x
         if fn == "prod":
             for a in sorted(axes, reverse=True):

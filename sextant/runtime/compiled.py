@@ -72,12 +72,12 @@ class CompiledModule:
 
     def _structure_mismatch(self, args: tuple, kwargs: dict[str, Any]) -> str:
         """Name the first argument whose nesting differs from the example inputs."""
-        expected_pos = self.graph.in_spec.children_specs[0].children_specs
+        expected_pos = _children(_children(self.graph.in_spec)[0])
         if len(args) != len(expected_pos):
             return f"expected {len(expected_pos)} positional argument(s), got {len(args)}"
         names = iter(leaf.name for leaf in self.graph.leaves)
         given = list(args) + [kwargs[k] for k in _dict_keys(self.graph.in_spec)]
-        expected = list(expected_pos) + list(self.graph.in_spec.children_specs[1].children_specs)
+        expected = list(expected_pos) + _children(_children(self.graph.in_spec)[1])
         for value, want in zip(given, expected):
             got = pytree.tree_structure(value)
             label = next(names) if want.is_leaf() else "an argument"
@@ -96,8 +96,13 @@ class CompiledModule:
         return pytree.tree_unflatten(outs, self.graph.out_spec)
 
 
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """Child specs (``children()`` in newer torch, ``children_specs`` before)."""
+    return list(spec.children()) if hasattr(spec, "child") else list(spec.children_specs)
+
+
 def _dict_keys(in_spec: pytree.TreeSpec) -> list[str]:
-    kw = in_spec.children_specs[1]
+    kw = _children(in_spec)[1]
     return list(kw.context) if kw.context else []
 
 

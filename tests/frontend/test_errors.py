@@ -57,7 +57,7 @@ def test_float64_is_reported() -> None:
 
 
 def test_not_a_module() -> None:
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         sextant.capture(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
 
 

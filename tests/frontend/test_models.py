@@ -84,3 +84,23 @@ def test_half_precision_transformer_block(dtype: torch.dtype) -> None:
     with torch.no_grad():
         expected = model(fresh)
     torch.testing.assert_close(compiled(fresh), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_huggingface_model_output_is_kept() -> None:
+    """GPT-2 called directly (no wrapper) returns a transformers ModelOutput; so does the compiled one."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
+                        eos_token_id=0, attn_implementation="eager")
+    model = GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # left padding in the first sequence
+    compiled = sextant.compile(model, (ids,), {"attention_mask": mask, "use_cache": False})
+    fresh = torch.randint(0, 100, (2, 8))
+    out = compiled(fresh, attention_mask=mask, use_cache=False)
+    with torch.no_grad():
+        ref = model(fresh, attention_mask=mask, use_cache=False)
+    assert type(out) is type(ref)
+    assert list(out.keys()) == list(ref.keys())
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)

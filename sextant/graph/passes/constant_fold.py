@@ -1,19 +1,29 @@
 """Constant folding, in two stages.
 
 1. Ops on ``full`` operands whose result is uniform become a ``full`` again (elementwise ops,
-   casts, movement, reductions). The value is computed by the reference executor on
-   one-element tensors, so it matches the runtime bit for bit (integer division, casts, ...).
-2. Any other node whose operands are all constant (``full``, ``iota``, ``param``) is
-   evaluated with the reference executor and becomes a ``param`` named ``folded.<n>`` (or a
-   ``full`` if the result is uniform). Only results of at most
-   ``max(65536, largest materialised operand)`` elements fold, so e.g. an ``expand`` of a
-   weight stays lazy instead of multiplying its memory.
+   casts, movement, reductions). Elementwise values are computed by the reference executor
+   on one-element tensors, so they match it bit for bit (integer division, casts, ...);
+   ``sum``/``prod`` of a full are ``value*count``/``value**count``, rounded once (integers wrap);
+   a reduction over no elements is its identity (``-inf`` for a float ``max``), as in the reference.
+2. Any other node whose operands are all compile-time constants (``full``, ``iota``, or
+   nodes folded already) is evaluated with the reference executor and becomes a ``param``
+   named ``folded.<n>`` (or a ``full`` if the result is uniform) — e.g. the causal mask
+   GPT-2 builds from ``arange``. Only results of at most
+   ``max(65536, largest materialised operand)`` elements fold; an ``expand`` whose result
+   would become a param is never folded (its operand is), as it would only cost memory.
+
+``param`` nodes (weights, buffers) are *not* treated as compile-time constants: they keep
+their names (so a compiled module can take new weights), a weight that happens to be uniform
+(a zero-initialised bias) is not turned into a ``full``, and layout changes of weights
+(the ``permute`` of a Linear) are left to the scheduler, which folds them into indexing.
 
 Replacement nodes keep the ``loc`` of the node they replace.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 
 import torch
@@ -23,9 +33,11 @@ from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.ops import SOURCES, is_elementwise
 from sextant.graph.passes.dce import live_nodes
 from sextant.graph.passes.rewrite import rebuild, replace_nodes
+from sextant.graph.reference import _identity as reduction_identity
 from sextant.graph.reference import eval_node
 
 MIN_FOLD_NUMEL = 65536
+_EVAL_ERRORS = (RuntimeError, IndexError, ValueError, NotImplementedError)
 _SAME_VALUE_MOVEMENT = frozenset({"reshape", "permute", "expand", "slice", "gather"})
 
 
@@ -48,8 +60,10 @@ def _wrap_int(v: int, dtype: DType) -> int:
 def _reduce_full(node: Node, value: float) -> float | None:
     fn, dtype = node.attr("fn"), node.dtype
     count = math.prod(node.inputs[0].shape[a] for a in node.attr("axes"))
+    if not count:  # a reduction over no elements yields its identity, as in the reference
+        return reduction_identity(fn, dtype.torch)
     if fn in ("max", "min"):
-        return value if count else None  # max/min of nothing has no value
+        return value
     if dtype.is_int:
         return _wrap_int(value * count if fn == "sum" else pow(value, count, 1 << 64), dtype)
     v = torch.tensor(value, dtype=dtype.torch).double()  # round the operand to its dtype first
@@ -66,7 +80,7 @@ def uniform_value(node: Node) -> int | float | bool | None:
         tiny = [torch.full((1,), v, dtype=i.dtype.torch) for v, i in zip(values, node.inputs)]
         try:
             return eval_node(node, tiny).item()
-        except (RuntimeError, NotImplementedError):  # the reference cannot run it either: leave it
+        except _EVAL_ERRORS:  # the reference cannot run it either: leave it
             return None
     if node.op in _SAME_VALUE_MOVEMENT:
         return values[0]
@@ -94,26 +108,28 @@ def fold_uniform(graph: Graph) -> Graph:
     return rebuild(graph, fn)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers, so comparisons tell -0.0 from 0.0 and NaN equals itself."""
+    if not t.dtype.is_floating_point:
+        return t
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _uniform(t: torch.Tensor) -> bool:
-    """All elements bit-identical (so -0.0/0.0 and NaN payloads are told apart)."""
-    if t.numel() == 0:
-        return True
-    if t.dtype.is_floating_point:
-        t = t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    flat = t.reshape(-1)
-    return bool((flat == flat[0]).all())
+    flat = _bits(t).reshape(-1)
+    return t.numel() == 0 or bool((flat == flat[0]).all())
 
 
 def foldable(graph: Graph) -> set[Node]:
-    """Non-source nodes whose operands are all constant and whose size is within budget."""
+    """Non-source nodes computed from ``full``/``iota`` only, within the size budget."""
     out: set[Node] = set()
     for n in graph.nodes:
         if n.op in SOURCES or n.op == "input":
             continue
-        materialised = [i.type.numel for i in n.inputs if i.op == "param" or i in out]
+        materialised = [i.type.numel for i in n.inputs if i in out]
         bound = max([MIN_FOLD_NUMEL, *materialised])
-        if n.type.numel <= bound and all(i in out or i.op == "param" or (i.op in ("full", "iota") and
-                                                                          i.type.numel <= bound) for i in n.inputs):
+        if n.type.numel <= bound and all(i in out or (i.op in ("full", "iota") and i.type.numel <= bound)
+                                         for i in n.inputs):
             out.add(n)
     return out
 
@@ -125,37 +141,54 @@ def fold_subgraphs(graph: Graph) -> Graph:
     if not fold:
         return graph
     users = {n: [u for u in us if u in live] for n, us in graph.users().items()}
-    outputs = set(graph.outputs)
-    roots = {n for n in fold if n in outputs or any(u not in fold for u in users[n])}
+    roots = {n for n in fold if n in graph.outputs or any(u not in fold for u in users[n])}
     remaining = {n: sum(u in fold for u in users[n]) for n in graph.nodes}
     params = dict(graph.params)
-    counter = 0
     env: dict[Node, torch.Tensor] = {}
     mapping: dict[Node, Node] = {}
+    folded: list[tuple[Node, torch.Tensor]] = []
+    names = (f"folded.{k}" for k in itertools.count() if f"folded.{k}" not in params)
+
+    def materialise(n: Node, value: torch.Tensor) -> None:
+        if n in mapping:
+            return
+        if _uniform(value):
+            mapping[n] = _full(n, value.reshape(-1)[0].item() if value.numel() else 0)
+            return
+        if n.op == "expand":  # a broadcast would only cost memory: keep it lazy, fold its operand
+            src = n.inputs[0]
+            if src in fold:  # its value is any one copy of the broadcast (only size-1 dims expand)
+                materialise(src, value[tuple(slice(0, d) for d in src.shape)].clone())
+            return
+        for prev, tensor in folded:  # identical results share one param (CSE cannot merge distinct names)
+            if prev.type == n.type and torch.equal(_bits(tensor), _bits(value)):
+                mapping[n] = prev
+                return
+        name = next(names)
+        params[name] = value.contiguous()
+        mapping[n] = make_node("param", (), {"name": name, "shape": n.shape, "dtype": n.dtype}, n.loc)
+        folded.append((mapping[n], params[name]))
+
     with torch.no_grad():
         for n in graph.nodes:
             if n not in fold:
                 continue
-            args = [env[i] if i in env else eval_node(i, [], graph) for i in n.inputs]
-            value = eval_node(n, args, graph)
-            env[n] = value
-            for i in n.inputs:  # free operands once their last folded user ran
+            if all(i in env or i.op in SOURCES for i in n.inputs):  # else an operand failed to evaluate
+                with contextlib.suppress(*_EVAL_ERRORS):  # the reference rejects it too: keep the node
+                    env[n] = eval_node(n, [env[i] if i in env else eval_node(i, [], graph) for i in n.inputs], graph)
+            if n not in env:
+                for i in n.inputs:
+                    if i in env:
+                        materialise(i, env[i])
+            if n in roots and n in env:
+                materialise(n, env[n])
+            for i in n.inputs:  # free values once their last folded user ran
                 remaining[i] -= 1
                 if remaining[i] == 0:
                     env.pop(i, None)
-            if n not in roots:
-                continue
             if remaining[n] == 0:
-                env.pop(n)
-            if _uniform(value):
-                mapping[n] = _full(n, value.reshape(-1)[0].item() if value.numel() else 0)
-                continue
-            while f"folded.{counter}" in params:
-                counter += 1
-            name = f"folded.{counter}"
-            params[name] = value.contiguous()
-            mapping[n] = make_node("param", (), {"name": name, "shape": n.shape, "dtype": n.dtype}, n.loc)
-    return replace_nodes(graph, mapping, params)
+                env.pop(n, None)
+    return replace_nodes(graph, mapping, params) if mapping else graph
 
 
 def constant_fold(graph: Graph) -> Graph:
