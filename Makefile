@@ -32,3 +32,6 @@ coverage: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.bench

@@ -9,11 +9,12 @@ from typing import Any, TextIO
 import torch
 
 from sextant.frontend.capture import capture
+from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
 from sextant.runtime.compiled import CompiledModule
 
-TARGETS = ("reference",)
-PLANNED_TARGETS = ("cpu", "cuda", "cuda-sim")
+TARGETS = ("reference", "cpu")
+PLANNED_TARGETS = ("cuda", "cuda-sim")
 
 
 def compile(  # mirrors torch.compile
@@ -29,7 +30,8 @@ def compile(  # mirrors torch.compile
     """Compile ``module`` for inputs shaped like ``args``/``kwargs``; returns a callable like the module.
 
     ``target="reference"`` runs the optimised graph IR with the reference executor (the
-    oracle every code-generating target is tested against).
+    oracle every code-generating target is tested against); ``target="cpu"`` fuses it into
+    kernels, generates LLVM IR and runs the JIT-compiled machine code on all cores.
     """
     if target not in TARGETS:
         if target in PLANNED_TARGETS:
@@ -41,4 +43,20 @@ def compile(  # mirrors torch.compile
 
     captured = capture(module, args, kwargs)
     graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
-    return CompiledModule(graph, target, lambda xs: run_graph(graph, xs), stages={"captured": captured})
+    stages: dict[str, Any] = {"captured": captured}
+    if target == "reference":
+        return CompiledModule(graph, target, lambda xs: run_graph(graph, xs), stages=stages)
+    return _compile_cpu(graph, stages)
+
+
+def _compile_cpu(graph: Graph, stages: dict[str, Any]) -> CompiledModule:
+    from sextant.codegen.llvm_cpu import compile_kernels
+    from sextant.runtime.program_runner import ProgramRunner
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import cpu_target
+
+    program = schedule(graph, cpu_target())
+    module = compile_kernels(list(program.kernels.values()))
+    stages.update(program=program, cpu_module=module)
+    runner = ProgramRunner(program, module.launch)
+    return CompiledModule(graph, "cpu", runner, stages=stages)

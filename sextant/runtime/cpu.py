@@ -1,0 +1,146 @@
+"""Running JIT-compiled kernels on the CPU: ctypes calls spread over a pool of threads.
+
+A kernel function is ``void NAME(i8** args, i32 block_begin, i32 block_end)``. ctypes drops
+the GIL around the call, so block ranges handed to a thread pool run truly in parallel. The
+compiled code keeps all scratch on its own stack (or heap), so any number of Python threads
+may launch kernels of one module at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from sextant.errors import SextantError
+from sextant.kernel.ir import Const, For, If, Kernel, Stmt
+
+KernelFn = Callable[[ctypes.Array, int, int], None]
+_CFUNC = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int32)
+PARALLEL_WORK = 32_768  # estimated statement executions below which a launch runs inline
+CHUNKS_PER_WORKER = 2  # block ranges per worker thread (a little slack for uneven blocks)
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+class LaunchError(SextantError, ValueError):
+    """A launch's buffers do not match the kernel's parameters."""
+
+
+def workers() -> int:
+    """Threads a launch may use (``SEXTANT_CPU_THREADS`` overrides the core count)."""
+    env = os.environ.get("SEXTANT_CPU_THREADS")
+    return max(1, int(env)) if env else (os.cpu_count() or 1)
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix="sextant-cpu")
+        return _pool
+
+
+def estimate_work(kernel: Kernel) -> int:
+    """Rough statement executions per launch (constant loop trip counts, 16 for the others):
+    only used to decide whether a launch is worth spreading over threads."""
+
+    def stmts(body: Sequence[Stmt]) -> int:
+        total = 0
+        for s in body:
+            if isinstance(s, For):
+                trips = 16
+                if isinstance(s.start, Const) and isinstance(s.stop, Const) and s.step:
+                    trips = max(0, len(range(int(s.start.value), int(s.stop.value), s.step)))
+                total += 1 + trips * stmts(s.body)
+            elif isinstance(s, If):
+                total += 1 + max(stmts(s.then), stmts(s.orelse))
+            else:
+                total += 1
+        return total
+
+    return stmts(kernel.body) * kernel.threads_per_block * kernel.num_blocks
+
+
+class CpuModule:
+    """Compiled kernels of one LLVM module, callable by name."""
+
+    def __init__(self, kernels: Sequence[Kernel], addresses: dict[str, int], *, keepalive: object = None,
+                 llvm_ir: str = "", optimized_ir: str = ""):
+        self.kernels = {k.name: k for k in kernels}
+        self.llvm_ir = llvm_ir  # as generated
+        self.optimized_ir = optimized_ir  # after O3
+        self._fns: dict[str, KernelFn] = {name: _CFUNC(addr) for name, addr in addresses.items()}
+        self._work = {k.name: estimate_work(k) for k in kernels}
+        self._keepalive = keepalive  # the execution engine owns the machine code
+
+    def __repr__(self) -> str:
+        return f"CpuModule({len(self.kernels)} kernels: {', '.join(self.kernels)})"
+
+    def launch(self, name: str, buffers: Sequence[torch.Tensor], grid_blocks: int | None = None, *,
+               parallel: bool | None = None) -> None:
+        """Run kernel ``name`` over blocks ``[0, grid_blocks)`` (default: its whole grid)."""
+        self.prepare(name, buffers, grid_blocks, parallel=parallel)()
+
+    def prepare(self, name: str, buffers: Sequence[torch.Tensor], grid_blocks: int | None = None, *,
+                parallel: bool | None = None) -> Callable[[], None]:
+        """Check the buffers once and return a callable that launches with them (for timing)."""
+        if name not in self.kernels:
+            raise LaunchError(f"no kernel named {name!r} in this module (it has {', '.join(self.kernels)})")
+        kernel = self.kernels[name]
+        self._check(kernel, buffers)
+        nblocks = kernel.num_blocks if grid_blocks is None else grid_blocks
+        if not 0 <= nblocks <= kernel.num_blocks:
+            raise LaunchError(f"kernel {name}: grid_blocks={nblocks} outside its grid of {kernel.num_blocks} blocks")
+        args = (ctypes.c_void_p * max(1, len(buffers)))(*[t.data_ptr() for t in buffers])
+        fn = self._fns[name]
+        keep = tuple(buffers)  # the tensors must outlive every call
+        nthreads = workers()
+        if parallel is None:
+            work = self._work[name] * nblocks // max(1, kernel.num_blocks)
+            parallel = work >= PARALLEL_WORK
+        if not parallel or nthreads == 1 or nblocks < 2:
+            def run_inline(args: ctypes.Array = args, keep: tuple = keep) -> None:
+                if nblocks:
+                    fn(args, 0, nblocks)
+            return run_inline
+
+        nchunks = min(nblocks, nthreads * CHUNKS_PER_WORKER)
+        bounds = [nblocks * i // nchunks for i in range(nchunks + 1)]
+        ranges = list(itertools.pairwise(bounds))
+
+        def run_parallel(args: ctypes.Array = args, keep: tuple = keep) -> None:
+            pool = _thread_pool()
+            futures: list[Future] = [pool.submit(fn, args, lo, hi) for lo, hi in ranges[1:]]
+            lo, hi = ranges[0]
+            fn(args, lo, hi)  # this thread takes a share too
+            for f in futures:
+                f.result()
+
+        return run_parallel
+
+    @staticmethod
+    def _check(kernel: Kernel, buffers: Sequence[torch.Tensor]) -> None:
+        if len(buffers) != len(kernel.params):
+            raise LaunchError(f"kernel {kernel.name} takes {len(kernel.params)} buffers "
+                              f"({', '.join(p.name for p in kernel.params)}), got {len(buffers)}")
+        for p, t in zip(kernel.params, buffers):
+            problem = None
+            if not isinstance(t, torch.Tensor):
+                problem = f"is a {type(t).__name__}, not a tensor"
+            elif t.device.type != "cpu":
+                problem = f"is on {t.device}"
+            elif t.dtype != p.dtype.torch:
+                problem = f"has dtype {t.dtype}, expected {p.dtype.torch}"
+            elif not t.is_contiguous():
+                problem = "is not contiguous"
+            elif t.numel() < p.size:
+                problem = f"has {t.numel()} elements, the kernel uses {p.size}"
+            if problem:
+                raise LaunchError(f"kernel {kernel.name}: buffer {p.name} {problem}")

@@ -1,0 +1,31 @@
+"""The readable schedule dump: kernels, the graph nodes fused into each, launches, memory."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sextant.schedule.program import Program
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def describe_program(p: Program) -> str:
+    lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches)} launches, "
+             f"{len(p.kernels)} unique kernels, planned peak {_mib(p.peak_bytes)} "
+             f"(arena {_mib(p.arena_bytes)})"]
+    for li, launch in enumerate(p.launches):
+        g = p.groups[launch.group]
+        ops = " ".join(m.op for m in g.members)
+        locs = sorted({m.loc for m in g.members if m.loc})
+        args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
+        lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} blocks={launch.blocks:<5} [{ops}]")
+        lines.append(f"        buffers ({args})")
+        if locs:
+            lines.append(f"        from {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")
+    if p.notes:
+        lines.append("  fusions refused:")
+        lines += [f"    - {n}" for n in p.notes]
+    return "\n".join(lines)

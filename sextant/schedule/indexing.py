@@ -1,0 +1,305 @@
+"""Inlining graph values into kernel IR: movement ops become index arithmetic.
+
+:class:`ValueEmitter` answers "what is graph node ``n`` at multi-index ``idx``?" with kernel-IR
+expressions, emitting three-address assignments into the current statement list. Stored values
+are loads from their buffer; ``reshape/permute/expand/slice/pad/concat/gather`` only rewrite
+the index (``pad``/``concat`` select between clamped loads, so no load is ever out of bounds);
+elementwise ops become scalar math. Values already held in registers (a reduction's result for
+the current row, a matmul accumulator) are looked up in ``regs``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.graph.ops import BINARY, UNARY
+from sextant.kernel.ir import INDEX, Assign, Binary, Cast, Const, Expr, Load, Select, Stmt, Unary, Var
+
+Index = tuple[Expr, ...]
+
+
+def c(v: int) -> Const:
+    return Const(v, INDEX)
+
+
+def iadd(a: Expr, b: Expr) -> Expr:
+    if isinstance(b, Const) and b.value == 0:
+        return a
+    if isinstance(a, Const) and a.value == 0:
+        return b
+    if isinstance(a, Const) and isinstance(b, Const):
+        return c(a.value + b.value)
+    return Binary("add", a, b, INDEX)
+
+
+def imul(a: Expr, k: int) -> Expr:
+    if k == 0:
+        return c(0)
+    if k == 1:
+        return a
+    if isinstance(a, Const):
+        return c(a.value * k)
+    return Binary("mul", a, c(k), INDEX)
+
+
+def idiv(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return a
+    if isinstance(a, Const):
+        return c(a.value // k)
+    return Binary("div", a, c(k), INDEX)
+
+
+def imod(a: Expr, k: int) -> Expr:
+    if k == 1:
+        return c(0)
+    if isinstance(a, Const):
+        return c(a.value % k)
+    return Binary("fmod", a, c(k), INDEX)
+
+
+def imin(a: Expr, b: Expr) -> Expr:
+    if isinstance(a, Const) and isinstance(b, Const):
+        return c(min(a.value, b.value))
+    return Binary("minimum", a, b, INDEX)
+
+
+def strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return out[::-1]
+
+
+def linearize(idx: Index, shape: Sequence[int]) -> Expr:
+    """Row-major offset of ``idx`` in ``shape`` (size-1 dims contribute nothing)."""
+    out: Expr = c(0)
+    for i, d, s in zip(idx, shape, strides(shape)):
+        if d != 1:
+            out = iadd(out, imul(i, s))
+    return out
+
+
+def delinearize(lin: Expr, shape: Sequence[int]) -> Index:
+    """The multi-index of row-major offset ``lin`` (assumed < numel) in ``shape``."""
+    st = strides(shape)
+    first = next((k for k, d in enumerate(shape) if d != 1), len(shape))
+    out = []
+    for k, (d, s) in enumerate(zip(shape, st)):
+        if d == 1:
+            out.append(c(0))
+        elif k == first:
+            out.append(idiv(lin, s))
+        else:
+            out.append(imod(idiv(lin, s), d))
+    return tuple(out)
+
+
+def reshape_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
+    """Map an index of the reshaped value to one of its input, group by group of matching
+    products, so splitting or merging dims costs only the arithmetic those dims need."""
+    result: list[Expr] = []
+    i = j = 0
+    n_out, n_in = len(out_shape), len(in_shape)
+    while i < n_out or j < n_in:
+        gi, gj = [i], [j]
+        pi = out_shape[i] if i < n_out else 1
+        pj = in_shape[j] if j < n_in else 1
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i)
+                pi *= out_shape[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= in_shape[j]
+                j += 1
+        gi = [k for k in gi if k < n_out]
+        gj = [k for k in gj if k < n_in]
+        lin = linearize(tuple(idx[k] for k in gi), [out_shape[k] for k in gi])
+        result += delinearize(lin, [in_shape[k] for k in gj])
+    return tuple(result)
+
+
+_REDUCE_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+
+
+def reduce_identity(fn: str, dtype: DType) -> int | float | bool:
+    if fn == "sum":
+        return False if dtype == DType.bool else 0
+    if fn == "prod":
+        return 1
+    if dtype == DType.bool:
+        return fn == "min"
+    if dtype.is_float:
+        return -math.inf if fn == "max" else math.inf
+    bits = 8 * dtype.itemsize - 1
+    return -(1 << bits) if fn == "max" else (1 << bits) - 1
+
+
+def combine_op(fn: str) -> str:
+    return _REDUCE_COMBINE[fn]
+
+
+def accum_dtype(dtype: DType) -> DType:
+    """Reductions and matmuls of half types accumulate in f32 (torch's CPU semantics)."""
+    return DType.f32 if dtype in (DType.f16, DType.bf16) else dtype
+
+
+class ValueEmitter:
+    """Emit the computation of inlined graph values at given indices into kernel IR."""
+
+    def __init__(self, buffers: dict[int, str], regs: dict[int, Expr] | None = None) -> None:
+        self.buffers = buffers  # stored node -> kernel buffer name
+        self.regs: dict[int, Expr] = regs if regs is not None else {}
+        self._stmts: list[list[Stmt]] = [[]]
+        self._memo: list[dict] = [{}]
+        self._count = 0
+
+    # -- statement lists and scopes ------------------------------------------------------
+    @property
+    def stmts(self) -> list[Stmt]:
+        return self._stmts[-1]
+
+    def emit(self, stmt: Stmt) -> None:
+        self.stmts.append(stmt)
+
+    @contextmanager
+    def scope(self) -> Iterator[list[Stmt]]:
+        """A nested statement list (a loop or branch body); values computed inside stay inside."""
+        self._stmts.append([])
+        self._memo.append(dict(self._memo[-1]))
+        try:
+            yield self._stmts[-1]
+        finally:
+            self._stmts.pop()
+            self._memo.pop()
+
+    def var(self, prefix: str, dtype: DType = INDEX) -> Var:
+        self._count += 1
+        return Var(f"{prefix}{self._count}", dtype)
+
+    def bind(self, e: Expr, prefix: str = "v") -> Expr:
+        """Assign a non-trivial expression to a fresh register (three-address form)."""
+        if isinstance(e, (Const, Var)):
+            return e
+        v = self.var(prefix, e.dtype)
+        self.emit(Assign(v, e))
+        return v
+
+    # -- values ------------------------------------------------------------------------------
+    def value(self, n: Node, idx: Index) -> Expr:
+        key = (id(n), idx)
+        memo = self._memo[-1]
+        if key in memo:
+            return memo[key]
+        e = self._compute(n, idx)
+        if not isinstance(e, (Const, Var)):
+            e = self.bind(e)
+        memo[key] = e
+        return e
+
+    def _compute(self, n: Node, idx: Index) -> Expr:
+        if id(n) in self.regs:
+            return self.regs[id(n)]
+        if id(n) in self.buffers:
+            return Load(self.buffers[id(n)], linearize(idx, n.shape), n.dtype)
+        op, dt = n.op, n.dtype
+        if op == "full":
+            return Const(n.attr("value"), dt)
+        if op == "iota":
+            return Cast(idx[n.attr("axis")], dt) if dt != INDEX else idx[n.attr("axis")]
+        if op in UNARY:
+            return Unary(op, self.value(n.inputs[0], idx), dt)
+        if op in BINARY:
+            return Binary(op, self.value(n.inputs[0], idx), self.value(n.inputs[1], idx), dt)
+        if op == "where":
+            return Select(*(self.value(i, idx) for i in n.inputs), dt)
+        if op == "cast":
+            return Cast(self.value(n.inputs[0], idx), dt)
+        src = n.inputs[0] if n.inputs else None
+        if op == "reshape":
+            return self.value(src, reshape_index(idx, n.shape, src.shape))
+        if op == "permute":
+            out: list[Expr] = [c(0)] * len(idx)
+            for i, p in enumerate(n.attr("perm")):
+                out[p] = idx[i]
+            return self.value(src, tuple(out))
+        if op == "expand":
+            return self.value(src, tuple(c(0) if s == 1 and d != 1 else i
+                                         for i, s, d in zip(idx, src.shape, n.shape)))
+        if op == "slice":
+            return self.value(src, tuple(iadd(c(st), imul(i, sp)) if sz != 1 or st else c(st)
+                                         for i, st, sp, sz in zip(idx, n.attr("start"), n.attr("step"),
+                                                                  n.attr("size"))))
+        if op == "pad":
+            return self._pad(n, idx)
+        if op == "concat":
+            return self._concat(n, idx)
+        if op == "gather":
+            return self._gather(n, idx)
+        raise NotImplementedError(f"{op} cannot be inlined into a kernel (it must be stored first)")
+
+    def _in_range(self, i: Expr, lo: int, hi: int) -> Expr:
+        conds = []
+        if not (isinstance(i, Const) and i.value >= lo):
+            conds.append(Binary("ge", i, c(lo), DType.bool))
+        if not (isinstance(i, Const) and i.value < hi):
+            conds.append(Binary("lt", i, c(hi), DType.bool))
+        out: Expr = Const(True, DType.bool)
+        for cond in conds:
+            out = cond if isinstance(out, Const) else Binary("bitwise_and", out, cond, DType.bool)
+        return out
+
+    def _pad(self, n: Node, idx: Index) -> Expr:
+        src = n.inputs[0]
+        inb: Expr = Const(True, DType.bool)
+        inner = []
+        for i, lo, d in zip(idx, n.attr("low"), src.shape):
+            shifted = iadd(i, c(-lo))
+            cond = self._in_range(shifted, 0, d)
+            if not isinstance(cond, Const):
+                cond = self.bind(cond, "inb")
+                shifted = self.bind(Select(cond, shifted, c(0), INDEX), "i")
+                inb = cond if isinstance(inb, Const) else self.bind(Binary("bitwise_and", inb, cond, DType.bool))
+            inner.append(shifted)
+        v = self.value(src, tuple(inner))
+        if isinstance(inb, Const):
+            return v
+        return Select(inb, v, Const(n.attr("value"), n.dtype), n.dtype)
+
+    def _concat(self, n: Node, idx: Index) -> Expr:
+        axis = n.attr("axis")
+        offsets, off = [], 0
+        for part in n.inputs:
+            offsets.append(off)
+            off += part.shape[axis]
+        i = idx[axis]
+        result: Expr | None = None
+        for part, start in reversed(list(zip(n.inputs, offsets))):
+            local = iadd(i, c(-start))
+            if result is None:  # the last part: everything past the earlier parts
+                clamped = self.bind(Binary("maximum", local, c(0), INDEX), "i")
+                result = self.value(part, idx[:axis] + (clamped,) + idx[axis + 1:])
+                continue
+            inside = self.bind(Binary("lt", i, c(start + part.shape[axis]), DType.bool), "inb")
+            clamped = self.bind(Select(inside, Binary("maximum", local, c(0), INDEX), c(0), INDEX), "i")
+            v = self.value(part, idx[:axis] + (clamped,) + idx[axis + 1:])
+            result = self.bind(Select(inside, v, result, n.dtype))
+        assert result is not None
+        return result
+
+    def _gather(self, n: Node, idx: Index) -> Expr:
+        src, index = n.inputs
+        axis = n.attr("axis")
+        raw = self.value(index, idx)
+        k = raw if index.dtype == INDEX else Cast(raw, INDEX)
+        # out-of-range indices are clamped: a kernel cannot raise, and must not read out of bounds
+        k = self.bind(Binary("minimum", Binary("maximum", k, c(0), INDEX), c(src.shape[axis] - 1), INDEX), "i")
+        return self.value(src, idx[:axis] + (k,) + idx[axis + 1:])

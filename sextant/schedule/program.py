@@ -1,0 +1,110 @@
+"""``schedule(graph, target) -> Program``: fused kernels, their launch sequence and buffers.
+
+The program is what every target's runtime executes: a list of unique kernels
+(structurally identical ones — the same layer repeated — are generated and compiled once),
+launches naming the buffers each kernel reads and writes, and a memory plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from sextant.graph.ir import Graph, Node
+from sextant.kernel.ir import Kernel
+from sextant.schedule import memory
+from sextant.schedule.kernels import MAPPINGS, external_buffers
+from sextant.schedule.partition import Group, partition
+from sextant.schedule.target import TargetDesc
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    index: int
+    kind: str  # "input" | "param" | "temp" | "output"
+    node: Node
+    offset: int = -1  # byte offset in the arena, for temps
+
+    @property
+    def nbytes(self) -> int:
+        return self.node.type.nbytes
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str  # name of a unique kernel
+    group: int  # index into Program.groups
+    args: tuple[int, ...]  # buffer indices, in the kernel's parameter order
+    blocks: int
+
+
+@dataclass
+class Program:
+    graph: Graph
+    target: TargetDesc
+    groups: list[Group]
+    kernels: dict[str, Kernel]
+    launches: list[Launch]
+    buffers: list[BufferInfo]
+    outputs: list[int]  # buffer index of each graph output
+    arena_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Planned peak: the intermediate arena plus the outputs (inputs and weights excluded)."""
+        out = {i for i in self.outputs if self.buffers[i].kind == "output"}
+        return self.arena_bytes + sum(self.buffers[i].nbytes for i in out)
+
+    def describe(self) -> str:
+        """The schedule dump: which graph nodes went into which kernel, and refused fusions."""
+        from sextant.schedule.dump import describe_program
+
+        return describe_program(self)
+
+
+def schedule(graph: Graph, target: TargetDesc) -> Program:
+    groups = partition(graph)
+    stored = {id(o) for g in groups for o in g.outputs}
+    buffers: list[BufferInfo] = []
+    index_of: dict[int, int] = {}
+
+    def buffer(n: Node, kind: str) -> int:
+        if id(n) not in index_of:
+            index_of[id(n)] = len(buffers)
+            buffers.append(BufferInfo(len(buffers), kind, n))
+        return index_of[id(n)]
+
+    for n in graph.inputs:
+        buffer(n, "input")
+    graph_outputs = {id(o) for o in graph.outputs}
+    unique: dict[Kernel, str] = {}
+    kernels: dict[str, Kernel] = {}
+    launches: list[Launch] = []
+    for gi, g in enumerate(groups):
+        k = MAPPINGS[g.kind](g, stored, target, "kernel")
+        key = dataclasses.replace(k, name="")
+        name = unique.get(key)
+        if name is None:
+            name = f"{g.kind}_{len(kernels)}"
+            unique[key] = name
+            kernels[name] = dataclasses.replace(k, name=name)
+        ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
+               for n in external_buffers(g, stored)]
+        outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]
+        launches.append(Launch(name, gi, tuple(ins + outs), k.num_blocks))
+    outputs = [buffer(o, "param" if o.op == "param" else "input" if o.op == "input" else "output")
+               for o in graph.outputs]
+
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for li, launch in enumerate(launches):
+        for b in launch.args:
+            first.setdefault(b, li)
+            last[b] = li
+    temps = [b for b in buffers if b.kind == "temp"]
+    offsets, arena = memory.plan([memory.Interval(b.index, b.nbytes, first[b.index], last[b.index])
+                                  for b in temps])
+    buffers = [dataclasses.replace(b, offset=offsets[b.index]) if b.kind == "temp" else b for b in buffers]
+    notes = [note for g in groups for note in g.notes]
+    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, notes)

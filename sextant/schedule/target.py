@@ -1,0 +1,37 @@
+"""Target descriptions: the facts about a machine that a schedule's mapping depends on.
+
+The kernel IR is the same for every target; a schedule reads these numbers to choose how a
+fused group is mapped onto blocks, threads and loops.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TargetDesc:
+    name: str
+    cores: int  # CPU cores, or streaming multiprocessors
+    warp: int  # SIMT width; 1 on the CPU (a "thread" is a loop iteration)
+    shared_bytes: int  # shared memory per block
+    vector_bytes: int  # widest load/store
+    max_threads: int  # threads per block
+    is_gpu: bool = False
+
+    @property
+    def vector_width_f32(self) -> int:
+        return self.vector_bytes // 4
+
+
+def cpu_target() -> TargetDesc:
+    """This machine's CPU: one thread per block, blocks spread over the cores, AVX2-wide vectors."""
+    return TargetDesc("cpu", cores=os.cpu_count() or 1, warp=1, shared_bytes=1 << 20, vector_bytes=32,
+                      max_threads=1)
+
+
+def sm90_target() -> TargetDesc:
+    """NVIDIA Hopper (H100/H200): 132 SMs, warps of 32, 48 KiB static shared memory per block."""
+    return TargetDesc("sm_90", cores=132, warp=32, shared_bytes=48 * 1024, vector_bytes=16, max_threads=1024,
+                      is_gpu=True)

@@ -1,0 +1,156 @@
+"""``make bench``: sextant's CPU target side by side with eager PyTorch and torch.compile.
+
+For each model: compile time (torch.export + decompositions, then sextant's own stages),
+median run time, kernel count and planned peak memory, and the ratio to eager, all measured
+in one run. Writes a markdown table to docs/benchmarks.md with the machine it ran on.
+
+    python -m sextant.tools.bench [--models mlp,cnn,gpt2-2l,gpt2-12l] [--no-inductor] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sextant.examples import EXAMPLES, gpt2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
+    "mlp": EXAMPLES["mlp"],
+    "cnn": EXAMPLES["cnn"],
+    "transformer-block": EXAMPLES["transformer-block"],
+    "gpt2-2l": lambda: gpt2(n_layer=2, batch=1, seq=128),
+    "gpt2-12l": lambda: gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=1, seq=128),
+}
+
+
+def _median_time(fn: Callable[[], object], min_runs: int = 5, budget_s: float = 3.0) -> float:
+    fn()  # warm up
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_runs or (time.perf_counter() - start < budget_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_model(name: str, inductor: bool) -> dict[str, object]:
+    from sextant.codegen.llvm_cpu import compile_kernels
+    from sextant.frontend.capture import export, translate
+    from sextant.graph.passes import run_pipeline
+    from sextant.runtime.compiled import CompiledModule
+    from sextant.runtime.program_runner import ProgramRunner
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import cpu_target
+
+    model, args = MODELS[name]()
+    row: dict[str, object] = {"model": name}
+    with torch.no_grad():
+        row["eager_ms"] = _median_time(lambda: model(*args)) * 1e3
+        expected = model(*args)
+
+    t0 = time.perf_counter()
+    ep = export(model, args)
+    t1 = time.perf_counter()
+    graph = run_pipeline(translate(ep, name.replace("-", "_")))
+    t2 = time.perf_counter()
+    program = schedule(graph, cpu_target())
+    t3 = time.perf_counter()
+    module = compile_kernels(list(program.kernels.values()))
+    t4 = time.perf_counter()
+    compiled = CompiledModule(graph, "cpu", ProgramRunner(program, module.launch))
+    row.update(export_s=t1 - t0, graph_s=t2 - t1, schedule_s=t3 - t2, codegen_s=t4 - t3,
+               kernels=len(program.launches), unique_kernels=len(program.kernels),
+               peak_mib=program.peak_bytes / 2**20)
+    got = compiled(*args)
+    row["max_err"] = (got - expected).abs().max().item()
+    row["sextant_ms"] = _median_time(lambda: compiled(*args)) * 1e3
+
+    if inductor:
+        torch._dynamo.reset()
+        opt = torch.compile(model)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            opt(*args)
+        row["inductor_compile_s"] = time.perf_counter() - t0
+        with torch.no_grad():
+            row["inductor_ms"] = _median_time(lambda: opt(*args)) * 1e3
+    return row
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch threads")
+
+
+def to_markdown(rows: list[dict[str, object]]) -> str:
+    def f(v: object, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "–"
+
+    lines = [
+        "| model | eager ms | sextant cpu ms | × eager | torch.compile ms | × eager | kernels (unique) "
+        "| peak MiB | export s | sextant stages s | Inductor compile s | max abs err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eager = r["eager_ms"]
+        own = sum(r[k] for k in ("graph_s", "schedule_s", "codegen_s"))  # type: ignore[misc]
+        ind = r.get("inductor_ms")
+        lines.append(
+            f"| {r['model']} | {f(eager, '.2f')} | {f(r['sextant_ms'], '.2f')} | "
+            f"{f(r['sextant_ms'] / eager, '.2f')} | {f(ind, '.2f')} | "  # type: ignore[operator]
+            f"{f(ind / eager if ind else None, '.2f')} | {r['kernels']} ({r['unique_kernels']}) | "  # type: ignore[operator]
+            f"{f(r['peak_mib'], '.2f')} | {f(r['export_s'], '.2f')} | {f(own, '.2f')} "
+            f"(graph {f(r['graph_s'], '.2f')}, schedule {f(r['schedule_s'], '.2f')}, "
+            f"codegen {f(r['codegen_s'], '.2f')}) | {f(r.get('inductor_compile_s'), '.1f')} | "
+            f"{f(r['max_err'], '.1e')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sextant.tools.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ns = ap.parse_args(argv)
+    rows = []
+    for name in ns.models.split(","):
+        print(f"bench {name} ...", file=sys.stderr, flush=True)
+        rows.append(bench_model(name, not ns.no_inductor))
+        print(to_markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    table = to_markdown(rows)
+    text = (
+        "# Benchmarks\n\n"
+        "Generated by `make bench` (`python -m sextant.tools.bench`); every number below comes from one run.\n\n"
+        f"Machine: {_machine()}.\n\n"
+        "Run times are medians over repeated calls after a warm-up, batch 1; GPT-2 at sequence 128. "
+        "`× eager` below 1 is faster than eager. Compile time is split into torch.export + Core ATen "
+        "decompositions and sextant's own stages (translation + graph passes, scheduling, LLVM code "
+        "generation + JIT).\n\n" + table + "\n"
+    )
+    print(table)
+    if ns.out:
+        Path(ns.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
