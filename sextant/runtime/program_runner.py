@@ -21,9 +21,7 @@ class ProgramRunner:
     def __init__(self, program: Program, launch: LaunchFn) -> None:
         self.program = program
         self._launch = launch
-        graph = program.graph
-        self._params = {b.index: graph.params[b.node.attr("name")].contiguous()
-                        for b in program.buffers if b.kind == "param"}
+        self._params = {i: t.contiguous() for i, t in program.constants.items()}
         self._local = threading.local()
 
     def _arena_views(self) -> dict[int, torch.Tensor]:

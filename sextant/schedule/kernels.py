@@ -21,6 +21,7 @@ from sextant.kernel.ir import (
     Const,
     Expr,
     For,
+    If,
     Kernel,
     Load,
     Select,
@@ -45,8 +46,8 @@ from sextant.schedule.partition import Group, inlinable, is_buffer
 from sextant.schedule.target import TargetDesc
 
 BID = Special("bid", "x")
-MATMUL_TILE_N = 64  # columns of C per accumulator panel (a local array that stays in L1)
-MATMUL_TILE_M = 4  # rows of C per block
+MATMUL_BLOCK_M, MATMUL_BLOCK_N = 64, 64  # C tile per block: its B panel stays in L2
+MICRO_M, MICRO_N = 4, 16  # register tile: 4 x 16 f32 accumulators = 8 AVX2 registers
 
 
 def external_buffers(group: Group, stored: set[int]) -> list[Node]:
@@ -100,11 +101,12 @@ def _row_loop(e: ValueEmitter, rows: int, per: int, body: Callable[[Var], None])
 
 
 def _loop(e: ValueEmitter, n: int, body: Callable[[Var], None], prefix: str = "j", *,
-          start: Expr | None = None, stop: Expr | None = None) -> None:
+          start: Expr | None = None, stop: Expr | None = None, unroll: bool = False) -> None:
     v = e.var(prefix)
     with e.scope() as stmts:
         body(v)
-    e.emit(For(v, start if start is not None else c(0), stop if stop is not None else c(n), 1, tuple(stmts)))
+    e.emit(For(v, start if start is not None else c(0), stop if stop is not None else c(n), 1, tuple(stmts),
+               unroll))
 
 
 # -- elementwise -------------------------------------------------------------------------------
@@ -210,10 +212,12 @@ def _store_epilogue(e: ValueEmitter, group: Group, lin: Expr) -> None:
 def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """C[b, i, j] = Σ_k A[b, i, k]·B[b, k, j] with the epilogue fused into the store.
 
-    A block takes ``MATMUL_TILE_M`` rows of one batch entry. For each panel of
-    ``MATMUL_TILE_N`` columns an accumulator panel (a local array) is zeroed, then for each k the
-    row's A value is broadcast against B's row k (contiguous in j when B is row-major, so the
-    j loop vectorises), then the epilogue runs per element and stores."""
+    A block owns a ``MATMUL_BLOCK_M`` × ``MATMUL_BLOCK_N`` tile of C (so its panel of B stays in
+    cache while it walks its rows) and computes it in ``MICRO_M`` × ``MICRO_N`` micro-tiles: the
+    accumulators of a micro-tile are a local array with constant indices only, which LLVM keeps
+    in vector registers; per k, ``MICRO_M`` values of A are broadcast against ``MICRO_N``
+    contiguous values of B (a weight ``permute`` is prepacked row-major by the scheduler). Tiles
+    cut by the matrix edge take a plain per-element path. The epilogue runs per element."""
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape
@@ -221,58 +225,93 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     nb = math.prod(batch)
     e, params, _ = _setup(group, stored)
     acc_t = accum_dtype(mm.dtype)
-    tiles_m = math.ceil(m / MATMUL_TILE_M)
-    tn = min(MATMUL_TILE_N, n)
-    panel = Buffer("acc", acc_t, tn, "local")
+    zero = Const(0.0 if acc_t.is_float else 0, acc_t)
+    mr, nr = MICRO_M, MICRO_N
+    blocks_m, blocks_n = math.ceil(m / MATMUL_BLOCK_M), math.ceil(n / MATMUL_BLOCK_N)
+    per_batch = blocks_m * blocks_n
+    acc = Buffer("acc", acc_t, mr * nr, "local")
+    tile = Buffer("tile", acc_t, mr * nr, "local")
 
-    def body(t: Var) -> None:
-        bidx = delinearize(e.bind(Binary("div", t, c(tiles_m), INDEX), "b"), batch) if batch else ()
-        mt = e.bind(Binary("fmod", t, c(tiles_m), INDEX), "mt") if batch else t
-        i0 = imul(mt, MATMUL_TILE_M)
+    def as_acc(v: Expr) -> Expr:
+        return v if v.dtype == acc_t else Cast(v, acc_t)
 
+    def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
+        e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
+        _store_epilogue(e, group, linearize((*bidx, i, j), mm.shape))
+        e.regs.pop(id(mm))
+
+    def fast(bidx: Index, i0: Expr, j0: Expr) -> None:
+        _loop(e, mr * nr, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+
+        def kstep(kk: Var) -> None:
+            avals = [e.bind(as_acc(e.value(a, (*bidx, iadd(i0, c(r)), kk))), "a") for r in range(mr)]
+
+            def col(j: Var) -> None:
+                bv = e.bind(as_acc(e.value(b, (*bidx, kk, iadd(j0, j)))), "b")
+                for r in range(mr):
+                    slot = iadd(c(r * nr), j)
+                    e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
+                                                     Binary("mul", avals[r], bv, acc_t), acc_t)))
+
+            _loop(e, nr, col, "j", unroll=True)
+
+        _loop(e, k, kstep, "k")
+        _loop(e, mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
+
+        def out_row(r: Var) -> None:
+            _loop(e, nr, lambda j: epilogue(bidx, iadd(i0, r), iadd(j0, j),
+                                            Load("tile", iadd(imul(r, nr), j), acc_t)), "j")
+
+        _loop(e, mr, out_row, "r")
+
+    def edge(bidx: Index, i0: Expr, j0: Expr) -> None:
         def row(i: Var) -> None:
-            def panel_loop(j0: Var) -> None:
-                width = e.bind(imin(c(tn), Binary("sub", c(n), j0, INDEX)), "w")
-                _loop(e, tn, lambda j: e.emit(Store("acc", j, Const(0.0 if acc_t.is_float else 0, acc_t))),
-                      stop=width)
+            def col(j: Var) -> None:
+                s = e.var("s", acc_t)
+                e.emit(Assign(s, zero))
 
                 def kstep(kk: Var) -> None:
-                    av = e.value(a, (*bidx, i, kk))
-                    av = e.bind(av if av.dtype == acc_t else Cast(av, acc_t))
-
-                    def fma(j: Var) -> None:
-                        bv = e.value(b, (*bidx, kk, iadd(j0, j)))
-                        bv = bv if bv.dtype == acc_t else Cast(bv, acc_t)
-                        e.emit(Store("acc", j, Binary("add", Load("acc", j, acc_t),
-                                                      Binary("mul", av, bv, acc_t), acc_t)))
-
-                    _loop(e, tn, fma, stop=width)
+                    av = as_acc(e.value(a, (*bidx, i, kk)))
+                    bv = as_acc(e.value(b, (*bidx, kk, j)))
+                    e.emit(Assign(s, Binary("add", s, Binary("mul", av, bv, acc_t), acc_t)))
 
                 _loop(e, k, kstep, "k")
+                epilogue(bidx, i, j, s)
 
-                def epilogue(j: Var) -> None:
-                    val = Load("acc", j, acc_t)
-                    e.regs[id(mm)] = e.bind(val if acc_t == mm.dtype else Cast(val, mm.dtype), "c")
-                    col = iadd(j0, j)
-                    lin = iadd(linearize((*bidx, i, c(0)), mm.shape), col)
-                    _store_epilogue(e, group, lin)
-                    e.regs.pop(id(mm))
+            _loop(e, n, col, "j", start=j0, stop=imin(iadd(j0, c(nr)), c(n)))
 
-                _loop(e, tn, epilogue, stop=width)
+        _loop(e, m, row, "i", start=i0, stop=imin(iadd(i0, c(mr)), c(m)))
 
-            jv = e.var("j0")
+    def block(t: Expr) -> None:
+        bidx = delinearize(e.bind(Binary("div", t, c(per_batch), INDEX), "bb"), batch) if batch else ()
+        rem = e.bind(Binary("fmod", t, c(per_batch), INDEX), "t") if batch else t
+        bm = e.bind(Binary("div", rem, c(blocks_n), INDEX), "bm")
+        bn = e.bind(Binary("fmod", rem, c(blocks_n), INDEX), "bn")
+        jstart, istart = imul(bn, MATMUL_BLOCK_N), imul(bm, MATMUL_BLOCK_M)
+
+        def panel(j0: Var) -> None:
+            def micro(i0: Var) -> None:
+                full = Binary("bitwise_and", Binary("le", iadd(i0, c(mr)), c(m), DType.bool),
+                              Binary("le", iadd(j0, c(nr)), c(n), DType.bool), DType.bool)
+                with e.scope() as then:
+                    fast(bidx, i0, j0)
+                with e.scope() as orelse:
+                    edge(bidx, i0, j0)
+                e.emit(If(full, tuple(then), tuple(orelse)))
+
+            iv = e.var("i0")
             with e.scope() as stmts:
-                panel_loop(jv)
-            e.emit(For(jv, c(0), c(n), tn, tuple(stmts)))
+                micro(iv)
+            e.emit(For(iv, istart, imin(iadd(istart, c(MATMUL_BLOCK_M)), c(m)), mr, tuple(stmts)))
 
-        stop = imin(iadd(i0, c(MATMUL_TILE_M)), c(m))
-        _loop(e, m, row, "i", start=i0, stop=stop)
+        jv = e.var("j0")
+        with e.scope() as stmts:
+            panel(jv)
+        e.emit(For(jv, jstart, imin(iadd(jstart, c(MATMUL_BLOCK_N)), c(n)), nr, tuple(stmts)))
 
-    blocks = nb * tiles_m
     if mm.type.numel:
-        t = BID
-        body(t)  # type: ignore[arg-type]
-    return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=(panel,))
+        block(BID)
+    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts), local=(acc, tile))
 
 
 # -- convolution ----------------------------------------------------------------------------------

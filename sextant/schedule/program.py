@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from sextant.graph.ir import Graph, Node
+from sextant.graph.reference import eval_node
 from sextant.kernel.ir import Kernel
 from sextant.schedule import memory
 from sextant.schedule.kernels import MAPPINGS, external_buffers
@@ -48,6 +51,7 @@ class Program:
     buffers: list[BufferInfo]
     outputs: list[int]  # buffer index of each graph output
     arena_bytes: int
+    constants: dict[int, torch.Tensor] = field(default_factory=dict)  # tensors of "param" buffers
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -63,9 +67,34 @@ class Program:
         return describe_program(self)
 
 
+def _movement_of_param(n: Node) -> bool:
+    while n.op in ("reshape", "permute", "expand", "slice"):
+        n = n.inputs[0]
+    return n.op == "param"
+
+
+def _evaluate(n: Node, graph: Graph) -> torch.Tensor:
+    return eval_node(n, [_evaluate(i, graph) for i in n.inputs], graph)
+
+
+def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
+    """Matmul right-hand sides that are a re-indexed weight (``permute(W)`` of a Linear layer)
+    are laid out row-major once, at compile time, so the kernel reads B contiguously along its
+    vectorised dimension. Returns the operand nodes that become prepacked constant buffers."""
+    packed = []
+    for g in groups:
+        if g.kind == "matmul":
+            b = g.anchor.inputs[1]
+            if b.op != "param" and _movement_of_param(b):
+                packed.append(b)
+    return packed
+
+
 def schedule(graph: Graph, target: TargetDesc) -> Program:
     groups = partition(graph)
-    stored = {id(o) for g in groups for o in g.outputs}
+    packed = prepack_weights(graph, groups)
+    stored = {id(o) for g in groups for o in g.outputs} | {id(b) for b in packed}
+    constants: dict[int, torch.Tensor] = {}
     buffers: list[BufferInfo] = []
     index_of: dict[int, int] = {}
 
@@ -77,6 +106,12 @@ def schedule(graph: Graph, target: TargetDesc) -> Program:
 
     for n in graph.inputs:
         buffer(n, "input")
+    with torch.no_grad():
+        for n in packed:
+            constants[buffer(n, "param")] = _evaluate(n, graph).contiguous()
+    for n in graph.nodes:
+        if n.op == "param":
+            constants[buffer(n, "param")] = graph.params[n.attr("name")]
     graph_outputs = {id(o) for o in graph.outputs}
     unique: dict[Kernel, str] = {}
     kernels: dict[str, Kernel] = {}
@@ -107,4 +142,6 @@ def schedule(graph: Graph, target: TargetDesc) -> Program:
                                   for b in temps])
     buffers = [dataclasses.replace(b, offset=offsets[b.index]) if b.kind == "temp" else b for b in buffers]
     notes = [note for g in groups for note in g.notes]
-    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, notes)
+    used = {a for launch in launches for a in launch.args} | set(outputs)
+    constants = {k: v for k, v in constants.items() if k in used}
+    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes)

@@ -1,0 +1,499 @@
+"""Kernel IR → LLVM IR → O3 → MCJIT: SIMT kernels run faithfully on the host CPU.
+
+Each kernel becomes ``void NAME(i8** args, i32 block_begin, i32 block_end)``: ``args`` holds
+the global buffers in ``kernel.params`` order and the function runs the linear block ids
+``[block_begin, block_end)`` one after another (the runtime spreads ranges over cores).
+
+Within a block, the threads run as loops over the phases that ``simt.plan_kernel`` cut the
+body into (a one-thread block runs its body directly). Every register gets a stack slot
+(scalar, or one element per thread when it is live across phases) and LLVM's SROA/mem2reg
+turns the scalars back into SSA values; ``shared`` buffers are one array per block
+invocation, ``local`` buffers one array per thread where needed. Arrays larger than
+``HEAP_BYTES`` (or past ``STACK_BYTES`` in all) come from ``malloc`` instead of the stack.
+
+All kernels go into one module, optimised once with the O3 pipeline for the host CPU (so loops
+vectorise with AVX2/AVX-512) and JIT-compiled once.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import threading
+from collections.abc import Callable, Sequence
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from sextant.codegen.errors import CodegenError
+from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
+from sextant.codegen.simt import (
+    Phase,
+    PhaseStmt,
+    SimtPlan,
+    UniformFor,
+    UniformIf,
+    XchgReduce,
+    XchgStore,
+    expr_loads,
+    plan_kernel,
+)
+from sextant.graph.dtypes import DType
+from sextant.graph.ops import IRTypeError, TensorType, infer_type
+from sextant.kernel.ir import (
+    Assign,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    Select,
+    Special,
+    Store,
+    Unary,
+    Var,
+)
+from sextant.runtime.cpu import CpuModule
+
+PTR = ir.PointerType()
+HEAP_BYTES = 64 * 1024  # arrays larger than this are malloc'd, not on the (thread's) stack ...
+STACK_BYTES = 256 * 1024  # ... and so is everything past this much stack per kernel
+MAX_UNROLL = 512  # For(unroll=True) with constant bounds is unrolled up to this many iterations
+_AXES = {"x": 0, "y": 1, "z": 2}
+_BYTES = {"i1": 1, "i8": 1, "i16": 2, "half": 2, "float": 4, "i32": 4, "i64": 8}
+_WARP_OP = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+
+_init_lock = threading.Lock()
+_compile_lock = threading.Lock()
+_initialised = False
+
+
+def _init_llvm() -> None:
+    global _initialised
+    with _init_lock:
+        if _initialised:
+            return
+        llvm.initialize_all_targets()
+        llvm.initialize_all_asmprinters()
+        libm = ctypes.util.find_library("m")
+        if libm:  # libm is normally in the process already; make sure MCJIT can resolve from it
+            llvm.load_library_permanently(libm)
+        _initialised = True
+
+
+def host_target_machine() -> llvm.TargetMachine:
+    """A target machine for this CPU (its name and features, so O3 uses AVX2/AVX-512/FMA)."""
+    _init_llvm()
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                        features=llvm.get_host_cpu_features().flatten(), opt=3, jit=True)
+
+
+def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None) -> ir.Module:
+    """The unoptimised LLVM module holding every kernel (no JIT): for inspection and tests."""
+    tm = tm or host_target_machine()
+    module = ir.Module("sextant_cpu")
+    module.triple = tm.triple
+    module.data_layout = str(tm.target_data)
+    seen: set[str] = set()
+    for k in kernels:
+        if k.name in seen:
+            raise CodegenError(f"two kernels are named {k.name!r}")
+        seen.add(k.name)
+        _KernelLowering(module, k).emit()
+    return module
+
+
+def compile_kernels(kernels: Sequence[Kernel]) -> CpuModule:
+    """Lower ``kernels`` into one LLVM module, optimise it at O3 and JIT-compile it."""
+    tm = host_target_machine()
+    module = emit_module(kernels, tm)
+    text = str(module)
+    with _compile_lock:  # llvmlite parses into LLVM's global context, which is not thread-safe
+        try:
+            llmod = llvm.parse_assembly(text)
+            llmod.verify()
+        except RuntimeError as e:  # a code generator bug, not a user error: show the IR's first lines
+            raise CodegenError(f"generated LLVM IR is invalid: {e}\n{text[:4000]}") from e
+        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pto.slp_vectorization = True  # off by default in LLVM's tuning options; clang turns it on at O2+
+        pb = llvm.create_pass_builder(tm, pto)
+        pb.getModulePassManager().run(llmod, pb)
+        optimized = str(llmod)
+        engine = llvm.create_mcjit_compiler(llmod, tm)
+        engine.finalize_object()
+        addresses = {k.name: engine.get_function_address(k.name) for k in kernels}
+    return CpuModule(list(kernels), addresses, keepalive=(engine, llmod), llvm_ir=text, optimized_ir=optimized)
+
+
+# -- lowering of one kernel ----------------------------------------------------------------------
+class _KernelLowering:
+    def __init__(self, module: ir.Module, kernel: Kernel):
+        self.kernel = kernel
+        self.plan: SimtPlan = plan_kernel(kernel)
+        fnty = ir.FunctionType(ir.VoidType(), [PTR, I32, I32])
+        self.fn = ir.Function(module, fnty, kernel.name)
+        self.fn.attributes.add("nounwind")
+        self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
+        self.math = ScalarMath(module, self.b)
+        self.module = module
+        self.buffers: dict[str, tuple[Buffer, ir.Value]] = {}
+        self.per_thread_buffers: set[str] = set()
+        self.slots: dict[str, ir.Value] = {}
+        self.heap: list[ir.Value] = []
+        self.stack_bytes = 0
+        self.memo: dict[int, tuple[Expr, ir.Value]] = {}
+        self.tid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
+        self.ltid: ir.Value = self._i32(0)
+        self.bid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
+
+    @staticmethod
+    def _i32(v: int) -> ir.Constant:
+        return ir.Constant(I32, v)
+
+    def _fail(self, msg: str) -> CodegenError:
+        return CodegenError(f"kernel {self.kernel.name}: {msg}")
+
+    # -- storage -----------------------------------------------------------------------------
+    def _array(self, ty: ir.Type, count: int, name: str) -> ir.Value:
+        """``count`` elements of ``ty``: an entry-block alloca, or malloc'd when large."""
+        nbytes = count * _BYTES[str(ty)]
+        if nbytes > HEAP_BYTES or self.stack_bytes + nbytes > STACK_BYTES:
+            malloc = self.math.declare("malloc", PTR, [I64])
+            p = self.b.call(malloc, [ir.Constant(I64, nbytes)], name=name)
+            self.heap.append(p)
+            return p
+        self.stack_bytes += nbytes
+        a = self.b.alloca(ir.ArrayType(ty, count) if count != 1 else ty, name=name)
+        a.align = 64 if count > 1 else None
+        a.type = PTR  # llvmlite types allocas as typed pointers; everything here is opaque
+        return a
+
+    def _preamble(self, args: ir.Value) -> None:
+        k, plan, T = self.kernel, self.plan, self.kernel.threads_per_block
+        for i, p in enumerate(k.params):
+            if p.space != "global":
+                raise self._fail(f"parameter {p.name} is in {p.space!r} memory, expected 'global'")
+            slot = self.b.gep(args, [self._i32(i)], inbounds=True, source_etype=PTR)
+            self.buffers[p.name] = (p, self.b.load(slot, name=f"arg.{p.name}", typ=PTR))
+        for s in k.shared:
+            self.buffers[s.name] = (s, self._array(mem_type(s.dtype), s.size, f"shared.{s.name}"))
+        for loc in k.local:
+            per_thread = loc.name in plan.per_thread_locals
+            if per_thread:
+                self.per_thread_buffers.add(loc.name)
+            self.buffers[loc.name] = (loc, self._array(mem_type(loc.dtype), loc.size * (T if per_thread else 1),
+                                                       f"local.{loc.name}"))
+        for slot_name, dt in plan.exchanges.items():
+            self.buffers[slot_name] = (Buffer(slot_name, dt, T, "local"), self._array(mem_type(dt), T, slot_name))
+        for name, dt in plan.var_types.items():
+            n = T if name in plan.per_thread_vars else 1
+            self.slots[name] = self._array(reg_type(dt), n, f"r.{name}")
+
+    def _var_ptr(self, name: str) -> ir.Value:
+        slot = self.slots[name]
+        if name in self.plan.per_thread_vars:
+            return self.b.gep(slot, [self.ltid], inbounds=True, source_etype=reg_type(self.plan.var_types[name]))
+        return slot
+
+    def read_var(self, v: Var) -> ir.Value:
+        if v.name not in self.slots:
+            raise self._fail(f"register {v.name!r} is not defined")
+        return self.b.load(self._var_ptr(v.name), typ=reg_type(v.dtype))
+
+    def write_var(self, v: Var, value: ir.Value) -> None:
+        self.b.store(value, self._var_ptr(v.name))
+
+    def _elem_ptr(self, name: str, index: ir.Value) -> tuple[Buffer, ir.Value]:
+        if not isinstance(index.type, ir.IntType) or index.type.width < 32:
+            raise self._fail(f"the index into {name} is not an i32/i64 value")
+        if name not in self.buffers:
+            raise self._fail(f"no buffer named {name!r}")
+        buf, base = self.buffers[name]
+        if name in self.per_thread_buffers:
+            index = self.b.add(self.b.mul(self.ltid, self._i32(buf.size)), self._index(index))
+        return buf, self.b.gep(base, [index], inbounds=True, source_etype=mem_type(buf.dtype))
+
+    def _index(self, v: ir.Value) -> ir.Value:
+        return self.b.trunc(v, I32) if v.type == I64 else v
+
+    # -- structure ---------------------------------------------------------------------------
+    def emit(self) -> None:
+        args, begin, end = self.fn.args
+        args.name, begin.name, end.name = "args", "block_begin", "block_end"
+        self._preamble(args)
+        gx, gy, _ = self.kernel.grid
+
+        def block(bl: ir.Value) -> None:
+            b = self.b
+            if self.kernel.num_blocks == gx:  # 1-D grid: the linear id is bid.x
+                self.bid = (bl, self._i32(0), self._i32(0))
+                self._items(self.plan.items)
+                return
+            bx = b.urem(bl, self._i32(gx)) if gx > 1 else self._i32(0)
+            rest = b.udiv(bl, self._i32(gx)) if gx > 1 else bl
+            by = b.urem(rest, self._i32(gy)) if gy > 1 else self._i32(0)
+            bz = b.udiv(rest, self._i32(gy)) if gy > 1 else rest
+            self.bid = (bx, by, bz)
+            self._items(self.plan.items)
+
+        self._loop(begin, end, 1, block, "block")
+        if self.heap:
+            free = self.math.declare("free", ir.VoidType(), [PTR])
+            for p in self.heap:
+                self.b.call(free, [p])
+        self.b.ret_void()
+
+    def _loop(self, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None], name: str) -> None:
+        """``for iv in range(start, stop, step): body(iv)`` as a header/body/latch loop."""
+        if step == 0:
+            raise self._fail(f"loop {name} has step 0")
+        b = self.b
+        pre = b.block
+        head, body_bb, done = (self.fn.append_basic_block(f"{name}.{s}") for s in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        iv = b.phi(start.type, name=name)
+        iv.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<" if step > 0 else ">", iv, stop), body_bb, done)
+        b.position_at_end(body_bb)
+        body(iv)
+        iv.add_incoming(b.add(iv, ir.Constant(start.type, step), flags=["nsw"]), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    def _items(self, items: Sequence[Phase | UniformFor | UniformIf]) -> None:
+        for it in items:
+            self._uniform_context()
+            if isinstance(it, Phase):
+                self._threads(lambda it=it: self._stmts(it.stmts))
+            elif isinstance(it, UniformFor):
+                loop = it.loop
+                start, stop = self._bounds(loop)
+
+                def body(iv: ir.Value, it: UniformFor = it) -> None:
+                    self._uniform_context()
+                    self.write_var(it.loop.var, iv)
+                    self._items(it.body)
+
+                self._loop(start, stop, loop.step, body, f"u.{loop.var.name}")
+            else:
+                self.memo = {}
+                cond = self._cond(it.cond)
+                with self.b.if_else(cond) as (then, orelse):
+                    with then:
+                        self._items(it.then)
+                    with orelse:
+                        self._items(it.orelse)
+
+    def _uniform_context(self) -> None:
+        """Code outside the thread loops reads per-thread registers of thread 0."""
+        self.tid = (self._i32(0),) * 3
+        self.ltid = self._i32(0)
+
+    def _threads(self, body: Callable[[], None]) -> None:
+        """Run ``body`` for every thread of the block: nested z/y/x loops (x innermost, so
+        consecutive threads are consecutive iterations the vectoriser can pack)."""
+        bx, by, bz = self.kernel.block
+        zero = self._i32(0)
+        tids = [zero, zero, zero]
+
+        def level(axis: int) -> None:
+            if axis < 0:
+                self.tid = (tids[0], tids[1], tids[2])
+                lin = tids[0]
+                if by * bz > 1:
+                    lin = self.b.add(self.b.mul(self.b.add(self.b.mul(tids[2], self._i32(by)), tids[1]),
+                                                self._i32(bx)), tids[0])
+                self.ltid = lin
+                body()
+                return
+            extent = self.kernel.block[axis]
+            if extent == 1:
+                tids[axis] = zero
+                level(axis - 1)
+                return
+
+            def inner(iv: ir.Value) -> None:
+                tids[axis] = iv
+                level(axis - 1)
+
+            self._loop(zero, self._i32(extent), 1, inner, f"t{'xyz'[axis]}")
+
+        if bx * by * bz < 1:
+            raise self._fail(f"block {self.kernel.block} has no threads")
+        level(2)
+
+    # -- statements --------------------------------------------------------------------------
+    def _stmts(self, stmts: Sequence[PhaseStmt]) -> None:
+        for s in stmts:
+            self._stmt(s)
+
+    def _stmt(self, s: PhaseStmt) -> None:
+        self.memo = {}
+        b = self.b
+        if isinstance(s, Assign):
+            if s.value.dtype != s.var.dtype:
+                raise self._fail(f"assigning a {s.value.dtype.value} value to register {s.var.name} "
+                                 f"({s.var.dtype.value})")
+            self.write_var(s.var, self._value(s.value))
+        elif isinstance(s, Store):
+            idx, val = self._value(s.index), self._value(s.value)
+            buf, ptr = self._elem_ptr(s.buffer, idx)
+            if buf.dtype != s.value.dtype:
+                raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
+            b.store(self.math.to_mem(val, buf.dtype), ptr)
+        elif isinstance(s, For):
+            self._for(s)
+        elif isinstance(s, If):
+            cond = self._cond(s.cond)
+            if s.orelse:
+                with b.if_else(cond) as (then, orelse):
+                    with then:
+                        self._stmts(s.then)
+                    with orelse:
+                        self._stmts(s.orelse)
+            else:
+                with b.if_then(cond):
+                    self._stmts(s.then)
+        elif isinstance(s, XchgStore):
+            val = self._value(s.value)
+            buf, ptr = self._elem_ptr(s.slot, self.ltid)
+            b.store(self.math.to_mem(val, buf.dtype), ptr)
+        elif isinstance(s, XchgReduce):
+            self._warp_reduce(s)
+        else:
+            raise self._fail(f"unexpected statement {type(s).__name__} inside a phase")
+
+    def _for(self, s: For) -> None:
+        start, stop = self._bounds(s)
+        if s.unroll and isinstance(start, ir.Constant) and isinstance(stop, ir.Constant):
+            values = range(int(start.constant), int(stop.constant), s.step)
+            if len(values) <= MAX_UNROLL:
+                for v in values:
+                    self.write_var(s.var, ir.Constant(start.type, v))
+                    self._stmts(s.body)
+                return
+
+        def body(iv: ir.Value) -> None:
+            self.write_var(s.var, iv)
+            self._stmts(s.body)
+
+        self._loop(start, stop, s.step, body, s.var.name)
+
+    def _cond(self, e: Expr) -> ir.Value:
+        if e.dtype != DType.bool:
+            raise self._fail(f"an If condition must be bool, got {e.dtype.value}: {e!r}")
+        return self._value(e)
+
+    def _bounds(self, s: For) -> tuple[ir.Value, ir.Value]:
+        if not (s.var.dtype.is_int and s.start.dtype == s.var.dtype == s.stop.dtype):
+            raise self._fail(f"loop over {s.var.name} ({s.var.dtype.value}) needs integer bounds of its type, "
+                             f"got {s.start.dtype.value} and {s.stop.dtype.value}")
+        self.memo = {}
+        return self._value(s.start), self._value(s.stop)
+
+    def _warp_reduce(self, s: XchgReduce) -> None:
+        """``var = op(lanes of this thread's group)`` in lane order; lanes past the block's last
+        thread (a partial warp) are skipped."""
+        b, T, w = self.b, self.kernel.threads_per_block, s.width
+        dt = s.var.dtype
+        if s.op in ("sum", "prod") and dt == DType.bool:
+            raise self._fail(f"WarpReduce {s.op} of bool")
+        base = b.and_(self.ltid, self._i32(~(w - 1)))
+
+        def lane(i: int) -> tuple[ir.Value, ir.Value | None]:
+            idx = b.add(base, self._i32(i)) if i else base
+            ok = None if T % w == 0 else b.icmp_signed("<", idx, self._i32(T))
+            if ok is not None:
+                idx = b.select(ok, idx, base)
+            _, ptr = self._elem_ptr(s.slot, idx)
+            return self.math.from_mem(b.load(ptr, typ=mem_type(dt)), dt), ok
+
+        acc, _ = lane(0)
+        for i in range(1, min(w, T)):
+            v, ok = lane(i)
+            r = self.math.binary(_WARP_OP[s.op], acc, v, dt)
+            acc = r if ok is None else b.select(ok, r, acc)
+        self.write_var(s.var, acc)
+
+    # -- expressions -------------------------------------------------------------------------
+    def _value(self, e: Expr) -> ir.Value:
+        hit = self.memo.get(id(e))
+        if hit is not None:
+            return hit[1]
+        v = self._expr(e)
+        self.memo[id(e)] = (e, v)
+        return v
+
+    def _expr(self, e: Expr) -> ir.Value:
+        m = self.math
+        if isinstance(e, Const):
+            return m.const(e.value, e.dtype)
+        if isinstance(e, Var):
+            return self.read_var(e)
+        if isinstance(e, Special):
+            return self._special(e)
+        if isinstance(e, Load):
+            idx = self._value(e.index)
+            buf, ptr = self._elem_ptr(e.buffer, idx)
+            if buf.dtype != e.dtype:
+                raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
+            return m.from_mem(self.b.load(ptr, typ=mem_type(buf.dtype)), buf.dtype)
+        if isinstance(e, Unary):
+            self._check_type(e.op, [e.a.dtype], e.dtype)
+            return m.unary(e.op, self._value(e.a), e.a.dtype)
+        if isinstance(e, Binary):
+            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
+            return m.binary(e.op, self._value(e.a), self._value(e.b), e.a.dtype)
+        if isinstance(e, Cast):
+            return m.cast(self._value(e.a), e.a.dtype, e.dtype)
+        if isinstance(e, Select):
+            self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
+            return self._select(e)
+        raise self._fail(f"unknown expression {e!r}")
+
+    def _select(self, e: Select) -> ir.Value:
+        """A ``select``; but when an arm loads memory, only the chosen arm is evaluated (the
+        condition often guards the load's index)."""
+        cond = self._value(e.cond)
+        if not (expr_loads(e.a) or expr_loads(e.b)):
+            return self.math.select(cond, self._value(e.a), self._value(e.b))
+        b = self.b
+        saved = dict(self.memo)
+        with b.if_else(cond) as (then, orelse):
+            with then:
+                va, ba = self._value(e.a), b.block
+            self.memo = dict(saved)
+            with orelse:
+                vb, bb = self._value(e.b), b.block
+        self.memo = saved
+        phi = b.phi(va.type)
+        phi.add_incoming(va, ba)
+        phi.add_incoming(vb, bb)
+        return phi
+
+    def _check_type(self, op: str, ins: list[DType], out: DType) -> None:
+        try:
+            t = infer_type(op, [TensorType((), d) for d in ins], {})
+        except IRTypeError as err:
+            raise self._fail(str(err)) from None
+        if t.dtype != out:
+            raise self._fail(f"{op} of {', '.join(d.value for d in ins)} gives {t.dtype.value}, "
+                             f"but the expression says {out.value}")
+
+    def _special(self, e: Special) -> ir.Value:
+        axis = _AXES[e.axis]
+        if e.kind == "tid":
+            return self.tid[axis]
+        if e.kind == "bid":
+            return self.bid[axis]
+        if e.kind == "bdim":
+            return self._i32(self.kernel.block[axis])
+        if e.kind == "gdim":
+            return self._i32(self.kernel.grid[axis])
+        raise self._fail(f"unknown special register {e.kind}.{e.axis}")
+
