@@ -13,7 +13,9 @@ def test_demo_runs_and_matches_eager() -> None:
     assert err < 1e-4
     assert "graph @MLP(%x: f32[8,64])" in text
     assert "graph IR after the passes" in text
-    assert "max |sextant - eager|" in text
+    assert "max |reference - eager|" in text
+    assert "max |sextant cpu - eager|" in text
+    assert "schedule @MLP for cpu: 3 launches" in text
 
 
 def test_demo_cli_exit_code() -> None:
