@@ -37,7 +37,9 @@ from sextant.schedule.indexing import (
     combine_op,
     delinearize,
     iadd,
+    idiv,
     imin,
+    imod,
     imul,
     linearize,
     reduce_identity,
@@ -149,6 +151,7 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     e, params, _ = _setup(group, stored)
     blocks, per = _chunks(rows, target, n_red * len(group.members))
     row_shape = tuple(1 if d in axes else s for d, s in enumerate(shape))
+    members = {id(m) for m in group.members}
 
     def full_index(row_idx: Index, red_idx: Index) -> Index:
         out: list[Expr] = [c(0)] * len(shape)
@@ -181,6 +184,9 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
             _loop(e, n_red, step, "q")
             result = acc if acc_t == m.dtype else e.bind(Cast(acc, m.dtype))
             e.regs[id(m)] = result
+            for v in group.members:  # row values computable now: once per row, not per element
+                if v.op != "reduce" and v.shape == row_shape and _ready(v, e.regs, members):
+                    e.value(v, at_row)
         for k, o in enumerate(group.outputs):
             if o.shape == row_shape:
                 e.emit(Store(f"out{k}", linearize(at_row, o.shape), e.value(o, at_row)))
@@ -200,13 +206,22 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts))
 
 
+def _ready(n: Node, regs: dict, members: set[int]) -> bool:
+    """Whether every reduction of the group that ``n`` depends on has its register set."""
+    if n.op == "reduce" and id(n) in members:
+        return id(n) in regs
+    return all(_ready(i, regs, members) for i in n.inputs)
+
+
 # -- matmul ------------------------------------------------------------------------------------
-def _store_epilogue(e: ValueEmitter, group: Group, lin: Expr) -> None:
-    """Store every output of a contraction group for the element at ``lin`` (row-major offset in
-    the anchor's shape; epilogue members are pointwise, reshapes included)."""
+def _store_epilogue(e: ValueEmitter, group: Group, idx: Index) -> None:
+    """Store every output of a contraction group for the element at ``idx`` (an index of the
+    anchor; epilogue members are pointwise, so a reshaped output is the same element)."""
+    anchor = group.anchor
+    lin = linearize(idx, anchor.shape)
     for k, o in enumerate(group.outputs):
-        idx = delinearize(lin, o.shape)
-        e.emit(Store(f"out{k}", linearize(idx, o.shape), e.value(o, idx)))
+        oidx = idx if o.shape == anchor.shape else delinearize(lin, o.shape)
+        e.emit(Store(f"out{k}", lin, e.value(o, oidx)))
 
 
 def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
@@ -237,7 +252,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
 
     def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
         e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
-        _store_epilogue(e, group, linearize((*bidx, i, j), mm.shape))
+        _store_epilogue(e, group, (*bidx, i, j))
         e.regs.pop(id(mm))
 
     def fast(bidx: Index, i0: Expr, j0: Expr) -> None:
@@ -283,10 +298,10 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
         _loop(e, m, row, "i", start=i0, stop=imin(iadd(i0, c(mr)), c(m)))
 
     def block(t: Expr) -> None:
-        bidx = delinearize(e.bind(Binary("div", t, c(per_batch), INDEX), "bb"), batch) if batch else ()
-        rem = e.bind(Binary("fmod", t, c(per_batch), INDEX), "t") if batch else t
-        bm = e.bind(Binary("div", rem, c(blocks_n), INDEX), "bm")
-        bn = e.bind(Binary("fmod", rem, c(blocks_n), INDEX), "bn")
+        bidx = delinearize(e.bind(idiv(t, per_batch), "bb"), batch) if batch else ()
+        rem = e.bind(imod(t, per_batch), "t") if batch else t
+        bm = e.bind(idiv(rem, blocks_n), "bm")
+        bn = e.bind(imod(rem, blocks_n), "bn")
         jstart, istart = imul(bn, MATMUL_BLOCK_N), imul(bm, MATMUL_BLOCK_M)
 
         def panel(j0: Var) -> None:
@@ -367,7 +382,7 @@ def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -
 
             _loop(e, cin_g * math.prod(ksp), red, "q")
             e.regs[id(cv)] = acc if acc_t == cv.dtype else e.bind(Cast(acc, cv.dtype))
-            _store_epilogue(e, group, linearize(oidx, out_shape))
+            _store_epilogue(e, group, oidx)
             e.regs.pop(id(cv))
 
         _loop(e, out_shape[-1], col, "ow")
