@@ -214,7 +214,8 @@ class _KernelLowering:
             raise self._fail(f"no buffer named {name!r}")
         buf, base = self.buffers[name]
         if name in self.per_thread_buffers:
-            index = self.b.add(self.b.mul(self.ltid, self._i32(buf.size)), self._index(index))
+            index = self.b.add(self.b.mul(self.ltid, self._i32(buf.size), flags=["nsw"]), self._index(index),
+                               flags=["nsw"])
         return buf, self.b.gep(base, [index], inbounds=True, source_etype=mem_type(buf.dtype))
 
     def _index(self, v: ir.Value) -> ir.Value:
@@ -306,8 +307,9 @@ class _KernelLowering:
                 self.tid = (tids[0], tids[1], tids[2])
                 lin = tids[0]
                 if by * bz > 1:
-                    lin = self.b.add(self.b.mul(self.b.add(self.b.mul(tids[2], self._i32(by)), tids[1]),
-                                                self._i32(bx)), tids[0])
+                    b, nsw = self.b, ["nsw", "nuw"]  # thread ids are small and non-negative
+                    lin = b.add(b.mul(b.add(b.mul(tids[2], self._i32(by), flags=nsw), tids[1], flags=nsw),
+                                      self._i32(bx), flags=nsw), tids[0], flags=nsw)
                 self.ltid = lin
                 body()
                 return
