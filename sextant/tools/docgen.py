@@ -115,7 +115,45 @@ def snippet_unsupported_error() -> str:
     raise AssertionError("expected UnsupportedOpError")
 
 
+def _tiny_program():
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import cpu_target
+
+    return schedule(run_pipeline(sextant.capture(*_tiny())), cpu_target())
+
+
+def snippet_tiny_schedule() -> str:
+    return _tiny_program().describe()
+
+
+def snippet_tiny_kernels() -> str:
+    from sextant.kernel.printer import print_kernel
+
+    return "\n\n".join(print_kernel(k) for k in _tiny_program().kernels.values())
+
+
+def snippet_tiny_llvm() -> str:
+    from sextant.codegen import emit_module
+
+    program = _tiny_program()
+    text = str(emit_module([next(iter(program.kernels.values()))]))
+    lines = text[text.index("define"):].splitlines()
+    return "\n".join(lines[:72] + ["  ..."])
+
+
+def snippet_gpt2_schedule() -> str:
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import cpu_target
+
+    model, args = EXAMPLES["gpt2"]()
+    return schedule(run_pipeline(sextant.capture(model, args)), cpu_target()).describe()
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "tiny-schedule": snippet_tiny_schedule,
+    "tiny-kernels": snippet_tiny_kernels,
+    "tiny-llvm": snippet_tiny_llvm,
+    "gpt2-schedule": snippet_gpt2_schedule,
     "tiny-captured": snippet_tiny_captured,
     "tiny-optimised": snippet_tiny_optimised,
     "tiny-print-after-all": snippet_tiny_print_after_all,
