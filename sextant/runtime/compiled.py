@@ -28,8 +28,17 @@ class CompiledModule:
         self.stages = stages or {}  # per-stage artifacts (e.g. the graph after each pass), for inspection
 
     def __repr__(self) -> str:
+        program = self.stages.get("program")
+        kernels = f", {len(program.launches)} kernels" if program is not None else ""
         return (f"CompiledModule(@{self.graph.name}, target={self.target!r}, "
-                f"{len(self.graph.inputs)} inputs, {len(self.graph.nodes)} graph nodes)")
+                f"{len(self.graph.inputs)} inputs, {len(self.graph.nodes)} graph nodes{kernels})")
+
+    @property
+    def planned_peak_bytes(self) -> int | None:
+        """Memory the compiled module plans for one call: intermediates (one arena, reused by
+        liveness) plus outputs; inputs and weights excluded. None for the reference target."""
+        program = self.stages.get("program")
+        return None if program is None else program.peak_bytes
 
     def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Validate a call and return the tensors for the graph inputs, in order."""

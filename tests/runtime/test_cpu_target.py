@@ -77,3 +77,16 @@ def test_non_contiguous_inputs() -> None:
     x = torch.randn(8, 4).t()  # a transposed view
     compiled = sextant.compile(model, (x.contiguous(),), target="cpu")
     torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_planned_peak_memory_is_reported() -> None:
+    model, args = EXAMPLES["gpt2"]()
+    compiled = sextant.compile(model, args, target="cpu")
+    peak = compiled.planned_peak_bytes
+    logits = 1 * 32 * 1000 * 4
+    assert logits < peak < 64 * logits  # outputs plus a reused arena, far below the sum of all temps
+    program = compiled.stages["program"]
+    all_temps = sum(b.nbytes for b in program.buffers if b.kind == "temp")
+    assert program.arena_bytes < all_temps
+    assert "kernels" in repr(compiled)
+    assert sextant.compile(model, args).planned_peak_bytes is None
