@@ -1,0 +1,567 @@
+"""Checks that a kernel is well formed and safe to run, before any code is generated.
+
+``verify_kernel`` raises :class:`KernelVerificationError` listing every problem, each with the
+statement it is in. It checks, in order:
+
+* the launch (dimensions positive, at most 1024 threads a block) and the buffers (unique
+  names, spaces and roles, shared memory within the limit);
+* types: operands of a binary op share a dtype, comparisons give bool, conditions are bool,
+  indices and loop bounds are i32, loads and stores match their buffer's dtype, a register
+  keeps one dtype; stores only go to ``out``/``inout`` arguments and shared/local buffers;
+* registers are assigned before they are read on every path (a loop variable inside its loop;
+  an assignment in a loop body only counts after a loop that surely runs);
+* synchronisation: a ``Barrier`` must be reached by every thread of the block, so it may not
+  sit under an ``If`` or ``For`` whose condition/bounds depend on the thread (``tid`` directly,
+  or through registers, local memory or loads at thread-dependent indices). A ``WarpReduce``
+  needs every lane of its warp, so thread-dependent control is allowed only when it is the
+  same for the whole warp (``if (tid.x < 32)`` with full warps);
+* memory: an access whose index is proved out of bounds is an error. Range analysis (with
+  the facts of enclosing ``If`` guards) first tries to prove the access in bounds; if it can't,
+  a search over boundary threads and loop iterations looks for a concrete thread that reaches
+  the access with a bad index — only such a witness is reported, so a pattern the analysis
+  does not understand is never rejected.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ops import BINARY, UNARY, IRTypeError, TensorType, infer_type
+from sextant.kernel.ir import (
+    INDEX,
+    Assign,
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    Select,
+    Special,
+    Stmt,
+    Store,
+    Unary,
+    Var,
+    WarpReduce,
+)
+from sextant.kernel.printer import print_expr, stmt_header
+from sextant.kernel.ranges import (
+    Env,
+    EvalError,
+    Ranges,
+    Unknown,
+    assigned_names,
+    bounds,
+    children,
+    eval_expr,
+    int_range,
+    refine,
+)
+
+DEFAULT_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a block may use
+MAX_THREADS = 1024
+MAX_BLOCK = (1024, 1024, 64)
+MAX_GRID = (2**31 - 1, 65535, 65535)
+WARP = 32
+WARP_OPS = frozenset({"sum", "max", "min", "prod"})
+# how much a value varies between threads: the same in the block, in a warp, or per thread
+UNIFORM, WARP_UNIFORM, THREAD = 0, 1, 2
+
+
+class KernelVerificationError(ValueError):
+    """The kernel breaks an IR invariant; the message names the kernel and the statements."""
+
+
+def verify_kernel(kernel: Kernel, *, shared_limit: int = DEFAULT_SHARED_LIMIT,
+                  scalars: Collection[str] = ()) -> None:
+    """Raise :class:`KernelVerificationError` if ``kernel`` is invalid (see the module doc).
+
+    ``scalars`` names registers that are defined on entry (scalar kernel arguments)."""
+    v = _Verifier(kernel, scalars)
+    v.check_launch(shared_limit)
+    if not v.errors:
+        v.block(kernel.body, set(scalars), (), ())
+    if not v.errors:  # range analysis assumes well-typed IR
+        v.check_bounds()
+    errors = list(dict.fromkeys(v.errors))  # one message per problem, in order
+    if errors:
+        shown = "\n  ".join(errors[:20])
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise KernelVerificationError(f"kernel {kernel.name} is invalid:\n  {shown}{more}")
+
+
+@dataclass(frozen=True)
+class _Control:
+    """An enclosing ``If``/``For`` and how much its condition/bounds vary between threads."""
+
+    header: str
+    level: int
+    reason: str
+
+
+class _Verifier:
+    def __init__(self, kernel: Kernel, scalars: Collection[str]) -> None:
+        self.k = kernel
+        self.errors: list[str] = []
+        self.buffers: dict[str, Buffer] = {}
+        self.var_types: dict[str, DType] = {}
+        self.scalars = frozenset(scalars)
+        self.div: _Divergence | None = None
+
+    def fail(self, where: Stmt | None, msg: str) -> None:
+        self.errors.append(f"`{stmt_header(where)}`: {msg}" if where is not None else msg)
+
+    # -- launch and buffers --------------------------------------------------------------------
+    def check_launch(self, shared_limit: int) -> None:
+        k = self.k
+        for what, dims, limits in (("grid", k.grid, MAX_GRID), ("block", k.block, MAX_BLOCK)):
+            if len(dims) != 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
+                self.fail(None, f"{what} {dims} must be three positive integers")
+            elif any(d > m for d, m in zip(dims, limits)):
+                self.fail(None, f"{what} {dims} exceeds the hardware limits {limits}")
+        if not self.errors and k.threads_per_block > MAX_THREADS:
+            self.fail(None, f"block {k.block} has {k.threads_per_block} threads (at most {MAX_THREADS})")
+        for group, space in ((k.params, "global"), (k.shared, "shared"), (k.local, "local")):
+            for b in group:
+                if b.name in self.buffers:
+                    self.fail(None, f"buffer {b.name!r} is declared twice")
+                self.buffers[b.name] = b
+                if b.space != space:
+                    self.fail(None, f"buffer {b.name!r} is listed as {space} but has space {b.space!r}")
+                if space == "global" and b.role not in ("in", "out", "inout"):
+                    self.fail(None, f"argument {b.name!r} has role {b.role!r} (in, out or inout)")
+                if not isinstance(b.size, int) or b.size < 0:
+                    self.fail(None, f"buffer {b.name!r} has size {b.size!r}")
+        shared = sum(b.size * b.dtype.itemsize for b in k.shared)
+        if shared > shared_limit:
+            self.fail(None, f"shared buffers use {shared} bytes, more than the limit of {shared_limit}")
+
+    # -- statements ------------------------------------------------------------------------
+    def block(self, stmts: tuple[Stmt, ...], defined: set[str], loops: tuple[str, ...],
+              control: tuple[_Control, ...]) -> set[str]:
+        """Check ``stmts``; returns the registers surely assigned after them."""
+        if self.div is None:
+            self.div = _Divergence(self.k)
+        for s in stmts:
+            defined = self.stmt(s, defined, loops, control)
+        return defined
+
+    def stmt(self, s: Stmt, defined: set[str], loops: tuple[str, ...], control: tuple[_Control, ...]) -> set[str]:
+        assert self.div is not None
+        if isinstance(s, Assign | WarpReduce):
+            self.expr(s.value, s, defined)
+            self.declare(s.var, s)
+            if s.var.name in loops:
+                self.fail(s, f"assigns the loop variable {s.var.name} inside its loop")
+            if s.value.dtype != s.var.dtype:
+                self.fail(s, f"assigns a {s.value.dtype.value} value to {s.var.dtype.value} register {s.var.name}")
+            if isinstance(s, WarpReduce):
+                self.warp_reduce(s, control)
+            return defined | {s.var.name}
+        if isinstance(s, Store):
+            self.expr(s.index, s, defined)
+            self.expr(s.value, s, defined)
+            self.index(s.index, s)
+            b = self.buffers.get(s.buffer)
+            if b is None:
+                self.fail(s, f"stores to unknown buffer {s.buffer!r}")
+            else:
+                if b.space == "global" and b.role == "in":
+                    self.fail(s, f"stores to {s.buffer!r}, an input (role 'in') of the kernel")
+                if s.value.dtype != b.dtype:
+                    self.fail(s, f"stores a {s.value.dtype.value} value to {b.dtype.value} buffer {s.buffer!r}")
+            return defined
+        if isinstance(s, Barrier):
+            for c in reversed(control):
+                if c.level > UNIFORM:
+                    self.fail(s, f"barrier under thread-dependent control flow: `{c.header}` {c.reason}; "
+                                 "threads that skip it would deadlock the block")
+                    break
+            return defined
+        if isinstance(s, For):
+            self.expr(s.start, s, defined)
+            self.expr(s.stop, s, defined)
+            self.declare(s.var, s)
+            for e in (s.start, s.stop, s.var):
+                self.index(e, s)
+            if not isinstance(s.step, int) or isinstance(s.step, bool) or s.step == 0:
+                self.fail(s, f"loop step must be a non-zero integer, got {s.step!r}")
+            if s.var.name in loops:
+                self.fail(s, f"loop variable {s.var.name} shadows an enclosing loop's")
+            level, reason = self.div.level_of(s.start, s.stop)
+            inner = self.block(s.body, defined | {s.var.name}, loops + (s.var.name,),
+                               control + (_Control(stmt_header(s), level, f"has bounds that {reason}"),))
+            if _surely_runs(s):
+                return (inner - {s.var.name}) | (defined & {s.var.name})
+            return defined
+        assert isinstance(s, If), f"not a statement: {s!r}"
+        self.expr(s.cond, s, defined)
+        if s.cond.dtype != DType.bool:
+            self.fail(s, f"condition is {s.cond.dtype.value}, not bool")
+        level, reason = self.div.level_of(s.cond)
+        ctl = control + (_Control(stmt_header(s), level, f"has a condition that {reason}"),)
+        then = self.block(s.then, defined, loops, ctl)
+        orelse = self.block(s.orelse, defined, loops, ctl)
+        if isinstance(s.cond, Const):
+            return then if s.cond.value else orelse
+        return then & orelse
+
+    def warp_reduce(self, s: WarpReduce, control: tuple[_Control, ...]) -> None:
+        if s.op not in WARP_OPS:
+            self.fail(s, f"unknown warp reduction {s.op!r} (one of {sorted(WARP_OPS)})")
+        if s.op in ("sum", "prod") and s.value.dtype == DType.bool:
+            self.fail(s, f"warp {s.op} of a bool value")
+        w = s.width
+        if not isinstance(w, int) or w < 1 or w > WARP or w & (w - 1):
+            self.fail(s, f"warp reduction width {w!r} must be a power of two <= {WARP}")
+        elif self.k.threads_per_block % w:
+            self.fail(s, f"the block's {self.k.threads_per_block} threads do not fill groups of {w} lanes")
+        for c in reversed(control):
+            if c.level > WARP_UNIFORM:
+                self.fail(s, f"warp reduction under control flow that differs within a warp: `{c.header}` "
+                             f"{c.reason}; every lane of the warp must take part")
+                break
+
+    def declare(self, v: Var, where: Stmt) -> None:
+        prev = self.var_types.setdefault(v.name, v.dtype)
+        if prev != v.dtype:
+            self.fail(where, f"register {v.name} is used as {v.dtype.value} and as {prev.value}")
+
+    def index(self, e: Expr, where: Stmt) -> None:
+        if e.dtype != INDEX:
+            self.fail(where, f"index expression {print_expr(e)} is {e.dtype.value}, not {INDEX.value}")
+
+    # -- expressions -------------------------------------------------------------------------
+    def expr(self, e: Expr, where: Stmt, defined: set[str]) -> None:
+        for ch in children(e):
+            self.expr(ch, where, defined)
+        fail = lambda msg: self.fail(where, f"{print_expr(e)}: {msg}")
+        if isinstance(e, Const):
+            ok = _const_ok(e)
+            if not ok:
+                fail(f"constant {e.value!r} is not a {e.dtype.value}")
+        elif isinstance(e, Var):
+            self.declare(e, where)
+            if e.name not in defined:
+                self.fail(where, f"reads register {e.name} before it is assigned")
+        elif isinstance(e, Special):
+            if e.kind not in ("tid", "bid", "bdim", "gdim") or e.axis not in ("x", "y", "z"):
+                fail(f"unknown thread coordinate {e.kind}.{e.axis}")
+        elif isinstance(e, Unary | Binary):
+            ops = e.a.dtype, *((e.b.dtype,) if isinstance(e, Binary) else ())
+            if e.op not in (UNARY if isinstance(e, Unary) else BINARY):
+                fail(f"unknown op {e.op!r}")
+                return
+            try:
+                t = infer_type(e.op, [TensorType((), d) for d in ops], {})
+            except IRTypeError as err:
+                fail(str(err))
+                return
+            if t.dtype != e.dtype:
+                types = ", ".join(d.value for d in ops)
+                fail(f"{e.op} of {types} gives {t.dtype.value}, the node says {e.dtype.value}")
+        elif isinstance(e, Select):
+            if e.cond.dtype != DType.bool:
+                fail(f"select condition is {e.cond.dtype.value}, not bool")
+            if not e.a.dtype == e.b.dtype == e.dtype:
+                fail(f"select of {e.a.dtype.value} and {e.b.dtype.value} typed {e.dtype.value}")
+        elif isinstance(e, Load):
+            b = self.buffers.get(e.buffer)
+            if b is None:
+                fail(f"loads from unknown buffer {e.buffer!r}")
+            elif b.dtype != e.dtype:
+                fail(f"loads {e.dtype.value} from {b.dtype.value} buffer {e.buffer!r}")
+            self.index(e.index, where)
+        elif not isinstance(e, Cast):
+            self.fail(where, f"not an expression: {e!r}")
+
+    # -- memory bounds -----------------------------------------------------------------------
+    def check_bounds(self) -> None:
+        ranges = Ranges.for_kernel(self.k)
+        self.bounds_block(self.k.body, ranges.entry(), ranges, ())
+
+    def bounds_block(self, stmts: tuple[Stmt, ...], env: Env | None, ranges: Ranges, path: tuple) -> None:
+        for pos, s in enumerate(stmts):
+            if env is None:
+                return
+            here = path + ((stmts, pos, None),)
+            for e in _stmt_exprs(s):
+                for buf, idx in _accesses(e):
+                    self.access(s, buf, idx, env, here)
+            if isinstance(s, Store):
+                self.access(s, s.buffer, s.index, env, here, store=True)
+            if isinstance(s, For):
+                self.bounds_block(s.body, ranges.enter_loop(env, s), ranges, here)
+            elif isinstance(s, If):
+                for truth, body in ((True, s.then), (False, s.orelse)):
+                    self.bounds_block(body, refine(env, s.cond, truth), ranges, path + ((stmts, pos, truth),))
+            env = ranges.step(s, env) if not isinstance(s, For | If) else _after(ranges, s, env)
+
+    def access(self, s: Stmt, buf: str, idx: Expr, env: Env, path: tuple, store: bool = False) -> None:
+        size = self.buffers[buf].size
+        b = bounds(idx, env)
+        if b is not None and b[0] >= 0 and b[1] < size:
+            return
+        found = _Witness(self.k, path, idx, size).search()
+        if found is not None:
+            value, where = found
+            kind = "store to" if store else "load from"
+            self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is out of bounds: index {value} at {where}, "
+                         f"but {buf!r} has {size} elements")
+
+
+def _after(ranges: Ranges, s: For | If, env: Env) -> Env | None:
+    if isinstance(s, For):
+        return ranges.leave_loop(env, s)
+    return ranges.step(s, env)
+
+
+def _const_ok(e: Const) -> bool:
+    v, dt = e.value, e.dtype
+    if dt == DType.bool:
+        return isinstance(v, bool)
+    if dt.is_int:
+        lo, hi = int_range(dt)
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _surely_runs(s: For) -> bool:
+    """Statically at least one iteration (constant bounds)."""
+    if isinstance(s.start, Const) and isinstance(s.stop, Const) and isinstance(s.step, int):
+        return s.start.value < s.stop.value if s.step > 0 else s.start.value > s.stop.value
+    return False
+
+
+def _stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
+    if isinstance(s, Assign | WarpReduce):
+        return (s.value,)
+    if isinstance(s, Store):
+        return (s.index, s.value)
+    if isinstance(s, For):
+        return (s.start, s.stop)
+    if isinstance(s, If):
+        return (s.cond,)
+    return ()
+
+
+def _accesses(e: Expr) -> Iterator[tuple[str, Expr]]:
+    if isinstance(e, Load):
+        yield e.buffer, e.index
+    for ch in children(e):
+        yield from _accesses(ch)
+
+
+# -- thread dependence -------------------------------------------------------------------------
+class _Divergence:
+    """How much each register and local buffer varies between threads (a fixed point over the
+    kernel: a value assigned under thread-dependent control is itself thread-dependent)."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.k = kernel
+        bx, by, bz = kernel.block
+        rows_whole = bx % WARP == 0 or by * bz == 1  # a warp never spans two values of tid.y/z
+        self.special = {
+            "x": UNIFORM if bx == 1 else THREAD,
+            "y": UNIFORM if by == 1 else WARP_UNIFORM if bx % WARP == 0 else THREAD,
+            "z": UNIFORM if bz == 1 else WARP_UNIFORM if (bx * by) % WARP == 0 else THREAD,
+        }
+        self.warp_x = rows_whole  # tid.x / 32 is the same for a whole warp
+        self.local = {b.name for b in kernel.local}
+        self.regs: dict[str, int] = {}
+        self.mem: dict[str, int] = {}
+        changed = True
+        while changed:
+            before = (dict(self.regs), dict(self.mem))
+            self._walk(kernel.body, UNIFORM)
+            changed = before != (self.regs, self.mem)
+
+    def _raise(self, table: dict[str, int], name: str, level: int) -> None:
+        table[name] = max(table.get(name, UNIFORM), level)
+
+    def _walk(self, stmts: tuple[Stmt, ...], ctrl: int) -> None:
+        for s in stmts:
+            if isinstance(s, Assign):
+                self._raise(self.regs, s.var.name, max(ctrl, self.level(s.value)))
+            elif isinstance(s, WarpReduce):
+                v = self.level(s.value)
+                result = UNIFORM if v == UNIFORM else WARP_UNIFORM if s.width == WARP else THREAD
+                self._raise(self.regs, s.var.name, max(ctrl, result))
+            elif isinstance(s, Store) and s.buffer in self.local:
+                self._raise(self.mem, s.buffer, max(ctrl, self.level(s.index), self.level(s.value)))
+            elif isinstance(s, For):
+                c = max(ctrl, self.level(s.start), self.level(s.stop))
+                self._raise(self.regs, s.var.name, c)
+                self._walk(s.body, c)
+            elif isinstance(s, If):
+                c = max(ctrl, self.level(s.cond))
+                self._walk(s.then, c)
+                self._walk(s.orelse, c)
+
+    def level(self, e: Expr) -> int:
+        if isinstance(e, Special):
+            return self.special[e.axis] if e.kind == "tid" else UNIFORM
+        if isinstance(e, Var):
+            return self.regs.get(e.name, UNIFORM)
+        if isinstance(e, Load):
+            return max(self.level(e.index), self.mem.get(e.buffer, THREAD) if e.buffer in self.local else UNIFORM)
+        if isinstance(e, Binary) and self._warp_index(e):
+            return WARP_UNIFORM
+        return max((self.level(ch) for ch in children(e)), default=UNIFORM)
+
+    def _warp_index(self, e: Binary) -> bool:
+        """``tid.x / 32k``, ``tid.x >> 5+``, ``tid.x < 32k``: the same for all lanes of a warp."""
+        if not self.warp_x:
+            return False
+        a, b, op = e.a, e.b, e.op
+        if isinstance(a, Const) and op in ("lt", "le", "gt", "ge"):
+            a, b, op = b, a, {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}[op]
+        if a != Special("tid", "x") or not isinstance(b, Const) or not isinstance(b.value, int):
+            return False
+        k = b.value
+        if op in ("div", "floordiv"):
+            return k > 0 and k % WARP == 0
+        if op == "shr":
+            return k >= 5
+        if op in ("lt", "ge"):
+            return k % WARP == 0
+        if op in ("le", "gt"):
+            return (k + 1) % WARP == 0
+        return False
+
+    def level_of(self, *exprs: Expr) -> tuple[int, str]:
+        """The level of the most thread-dependent of ``exprs`` and a phrase saying why."""
+        level = max(self.level(e) for e in exprs)
+        if level == UNIFORM:
+            return level, "are the same for all threads"
+        culprits = sorted({n for e in exprs for n in _sources(e, self)})
+        what = ", ".join(culprits) if culprits else "per-thread values"
+        return level, f"depend{'s' if len(exprs) == 1 else ''} on {what}"
+
+
+def _sources(e: Expr, div: _Divergence) -> Iterator[str]:
+    """The thread-dependent leaves of ``e`` (for messages)."""
+    if isinstance(e, Special) and div.level(e) > UNIFORM:
+        yield f"{e.kind}.{e.axis}"
+    elif isinstance(e, Var) and div.level(e) > UNIFORM:
+        yield f"register {e.name}"
+    elif isinstance(e, Load) and div.level(e) > UNIFORM and e.buffer in div.local:
+        yield f"local buffer {e.buffer}"
+    for ch in children(e):
+        yield from _sources(ch, div)
+
+
+# -- out-of-bounds witnesses -------------------------------------------------------------------
+_MAX_THREADS_EXHAUSTIVE = 1024
+_MAX_WORK = 50_000  # statements executed per access searched: keeps verification fast on big kernels
+
+
+class _Witness:
+    """Looks for one thread (and loop iterations) that reaches an access with a bad index.
+
+    The thread runs the statements on the path to the access concretely; registers whose value
+    it cannot know (from loads, warp reductions, earlier iterations of a loop) become unknown,
+    and a path through an unknown condition is abandoned — so a witness is always real."""
+
+    def __init__(self, kernel: Kernel, path: tuple, index: Expr, size: int) -> None:
+        self.k, self.path, self.index, self.size = kernel, path, index, size
+        self.runs = 0  # accesses evaluated
+        self.unknown = 0  # ... of which needed an unknown value
+        self.work = 0  # statements executed
+
+    def threads(self) -> Iterator[dict[str, int]]:
+        dims = [(f"{kind}.{ax}", n) for kind, sizes in (("tid", self.k.block), ("bid", self.k.grid))
+                for ax, n in zip("xyz", sizes)]
+        exhaustive = self.k.threads_per_block * self.k.num_blocks <= _MAX_THREADS_EXHAUSTIVE
+        choices = [range(n) if exhaustive else sorted({v for v in (0, 1, n // 2, n - 2, n - 1) if 0 <= v < n})
+                   for _, n in dims]
+        fixed = {f"{kind}.{ax}": n for kind, sizes in (("bdim", self.k.block), ("gdim", self.k.grid))
+                 for ax, n in zip("xyz", sizes)}
+        for combo in itertools.product(*choices):
+            yield fixed | {name: v for (name, _), v in zip(dims, combo)}
+
+    def search(self) -> tuple[int, str] | None:
+        for thread in self.threads():
+            found = self.frame(0, dict(thread), [])
+            if found is not None:
+                value, loops = found
+                coords = [f"{k}={v}" for k, v in thread.items()
+                          if k[:3] in ("tid", "bid") and self._size(k) > 1]
+                return value, ", ".join(coords + loops) or "every thread"
+            if self.work >= _MAX_WORK or (self.unknown >= 8 and self.unknown == self.runs):
+                return None
+        return None
+
+    def _size(self, coord: str) -> int:
+        sizes = self.k.block if coord.startswith("tid") else self.k.grid
+        return sizes["xyz".index(coord[-1])]
+
+    def frame(self, depth: int, vals: dict, loops: list[str]) -> tuple[int, list[str]] | None:
+        stmts, pos, branch = self.path[depth]
+        self.work += pos + 1
+        for s in stmts[:pos]:
+            _run(s, vals)
+        s = stmts[pos]
+        if depth == len(self.path) - 1:
+            self.runs += 1
+            try:
+                i = eval_expr(self.index, vals)
+            except Unknown:
+                self.unknown += 1
+                return None
+            except EvalError:
+                return None
+            return (i, loops) if not 0 <= i < self.size else None
+        if isinstance(s, If):
+            try:
+                taken = bool(eval_expr(s.cond, vals))
+            except EvalError:
+                return None
+            return self.frame(depth + 1, vals, loops) if taken == branch else None
+        assert isinstance(s, For)
+        try:
+            start, stop = eval_expr(s.start, vals), eval_expr(s.stop, vals)
+        except EvalError:
+            return None
+        iters = range(start, stop, s.step)
+        picks = sorted({j for j in (0, 1, len(iters) - 2, len(iters) - 1) if 0 <= j < len(iters)})
+        for j in picks:
+            inner = dict(vals)
+            if j > 0:  # registers the body changes hold values of earlier iterations
+                for name in assigned_names(s.body):
+                    inner.pop(name, None)
+            inner[s.var.name] = iters[j]
+            found = self.frame(depth + 1, inner, loops + [f"{s.var.name}={iters[j]}"])
+            if found is not None or self.work >= _MAX_WORK:
+                return found
+        return None
+
+
+def _run(s: Stmt, vals: dict) -> None:
+    """Execute ``s`` for one thread as far as it is known (memory is not modelled)."""
+    if isinstance(s, Assign):
+        try:
+            vals[s.var.name] = eval_expr(s.value, vals)
+        except EvalError:
+            vals.pop(s.var.name, None)
+    elif isinstance(s, WarpReduce):
+        vals.pop(s.var.name, None)
+    elif isinstance(s, If):
+        try:
+            body = s.then if eval_expr(s.cond, vals) else s.orelse
+        except EvalError:
+            for name in assigned_names(s.then) | assigned_names(s.orelse):
+                vals.pop(name, None)
+            return
+        for inner in body:
+            _run(inner, vals)
+    elif isinstance(s, For):
+        for name in assigned_names(s.body) | {s.var.name}:
+            vals.pop(name, None)
