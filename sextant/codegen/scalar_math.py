@@ -1,4 +1,4 @@
-"""Scalar semantics of every graph-IR elementwise op, emitted as LLVM IR for the CPU.
+"""Scalar semantics of every graph-IR elementwise op, emitted as LLVM IR (CPU and NVPTX).
 
 The oracle is ``sextant.graph.reference`` (torch on the CPU), so each op follows what torch's
 CPU kernels compute, not what LLVM finds natural:
@@ -15,6 +15,10 @@ CPU kernels compute, not what LLVM finds natural:
 * float → int casts out of range (and NaN) give INT_MIN, as x86 ``cvttss2si`` does in torch.
 * ``erfinv`` and ``digamma`` have no libm function: they are torch's own algorithms
   (ATen/native/Math.h), emitted as internal functions.
+
+The semantics are target-independent; the C math functions they build on (``expf``, ``fmodf``,
+...) come from a pluggable :class:`MathLibrary`: :data:`CPU_MATH` (LLVM intrinsics and libm)
+here, libdevice for NVPTX (``sextant.codegen.libdevice``).
 """
 
 from __future__ import annotations
@@ -47,17 +51,19 @@ def mem_type(dt: DType) -> ir.Type:
     return I8 if dt == DType.bool else _REG[dt]
 
 
-# unary float ops: an LLVM intrinsic on f32 or a libm function
-_INTRINSIC_1 = {
-    "exp": "llvm.exp.f32", "exp2": "llvm.exp2.f32", "log": "llvm.log.f32", "log2": "llvm.log2.f32",
-    "log10": "llvm.log10.f32", "sqrt": "llvm.sqrt.f32", "sin": "llvm.sin.f32", "cos": "llvm.cos.f32",
-    "abs": "llvm.fabs.f32", "floor": "llvm.floor.f32", "ceil": "llvm.ceil.f32", "trunc": "llvm.trunc.f32",
-    "round": "llvm.roundeven.f32",
-}
-_LIBM_1 = {op: op + "f" for op in (
+# unary float ops → the C math library function computing them in f32 (a MathLibrary maps the
+# names onto an LLVM intrinsic, a libm symbol or a libdevice function)
+_LIBM_1 = {
+    "exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "log10": "log10f", "sqrt": "sqrtf",
+    "sin": "sinf", "cos": "cosf", "abs": "fabsf", "floor": "floorf", "ceil": "ceilf", "trunc": "truncf",
+    "round": "roundevenf",
+} | {op: op + "f" for op in (
     "expm1", "log1p", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
     "erf", "erfc", "lgamma",
 )}
+_LIBM_2 = {"fmod": "fmodf", "maximum": "fmaximumf", "minimum": "fminimumf", "pow": "powf", "atan2": "atan2f"}
+# every C math function ScalarMath may ask its MathLibrary for (lets a library prepare them at once)
+LIBM_FUNCTIONS = frozenset({*_LIBM_1.values(), *_LIBM_2.values(), "copysignf", "trunc", "tan"})
 _FCMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _INT_BITS = {DType.i32: 32, DType.i64: 64}
 
@@ -66,12 +72,48 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
+class MathLibrary:
+    """Where C math functions (``expf``, ``fmodf``, ``tan``, ...) come from on a target.
+
+    The op semantics in :class:`ScalarMath` are target-independent; only how a function such as
+    ``expf`` is reached differs: an LLVM intrinsic or libm on the CPU, libdevice or NVVM on
+    NVPTX (where most LLVM math intrinsics have no lowering and abort the process). Names are
+    C99 libm names (``f`` suffix: f32, none: f64), plus C23's NaN-propagating ``fmaximumf`` /
+    ``fminimumf`` and ``roundevenf``."""
+
+    def call(self, m: ScalarMath, name: str, args: list[ir.Value]) -> ir.Value:
+        raise NotImplementedError
+
+
+# C names the CPU reaches through LLVM intrinsics (the rest are libm symbols)
+_CPU_INTRINSICS = {
+    "expf": "llvm.exp.f32", "exp2f": "llvm.exp2.f32", "logf": "llvm.log.f32", "log2f": "llvm.log2.f32",
+    "log10f": "llvm.log10.f32", "sqrtf": "llvm.sqrt.f32", "sinf": "llvm.sin.f32", "cosf": "llvm.cos.f32",
+    "fabsf": "llvm.fabs.f32", "floorf": "llvm.floor.f32", "ceilf": "llvm.ceil.f32", "truncf": "llvm.trunc.f32",
+    "roundevenf": "llvm.roundeven.f32", "copysignf": "llvm.copysign.f32", "powf": "llvm.pow.f32",
+    "fmaximumf": "llvm.maximum.f32", "fminimumf": "llvm.minimum.f32", "trunc": "llvm.trunc.f64",
+}
+
+
+class CpuMath(MathLibrary):
+    """The host: LLVM intrinsics (inlined, vectorisable) where LLVM has them, else libm."""
+
+    def call(self, m: ScalarMath, name: str, args: list[ir.Value]) -> ir.Value:
+        if name == "fmodf":
+            return m.b.frem(*args)
+        return m.call(_CPU_INTRINSICS.get(name, name), args[0].type, args)
+
+
+CPU_MATH = CpuMath()
+
+
 class ScalarMath:
     """Emits one op at a time at the builder's current position."""
 
-    def __init__(self, module: ir.Module, builder: ir.IRBuilder):
+    def __init__(self, module: ir.Module, builder: ir.IRBuilder, lib: MathLibrary = CPU_MATH):
         self.module = module
         self.b = builder
+        self.lib = lib
 
     # -- helpers -----------------------------------------------------------------------------
     def declare(self, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
@@ -82,6 +124,10 @@ class ScalarMath:
 
     def call(self, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
         return self.b.call(self.declare(name, ret, [a.type for a in args]), args)
+
+    def libm(self, name: str, *args: ir.Value) -> ir.Value:
+        """The C math function ``name`` (e.g. ``expf``) from this target's math library."""
+        return self.lib.call(self, name, list(args))
 
     def f32(self, v: float) -> ir.Constant:
         return ir.Constant(F32, _f32(v))
@@ -168,21 +214,19 @@ class ScalarMath:
 
     def _unary_f32(self, op: str, x: ir.Value) -> ir.Value:
         b, one = self.b, self.f32(1.0)
-        if op in _INTRINSIC_1:
-            return self.call(_INTRINSIC_1[op], F32, [x])
         if op in _LIBM_1:
-            return self.call(_LIBM_1[op], F32, [x])
+            return self.libm(_LIBM_1[op], x)
         if op == "neg":
             return b.fneg(x)
         if op == "sign":  # (0 < x) - (x < 0): NaN and -0 give +0, as torch
             pos = b.uitofp(b.fcmp_ordered(">", x, self.f32(0.0)), F32)
             return b.fsub(pos, b.uitofp(b.fcmp_ordered("<", x, self.f32(0.0)), F32))
         if op == "rsqrt":
-            return b.fdiv(one, self.call("llvm.sqrt.f32", F32, [x]))
+            return b.fdiv(one, self.libm("sqrtf", x))
         if op == "reciprocal":
             return b.fdiv(one, x)
         if op == "sigmoid":
-            return b.fdiv(one, b.fadd(one, self.call("llvm.exp.f32", F32, [b.fneg(x)])))
+            return b.fdiv(one, b.fadd(one, self.libm("expf", b.fneg(x))))
         if op == "erfinv":
             return b.call(self._erfinv(), [x])
         if op == "digamma":
@@ -190,7 +234,7 @@ class ScalarMath:
         if op == "isnan":
             return b.fcmp_unordered("uno", x, x)
         if op == "isinf":
-            return b.fcmp_ordered("==", self.call("llvm.fabs.f32", F32, [x]), self.f32(math.inf))
+            return b.fcmp_ordered("==", self.libm("fabsf", x), self.f32(math.inf))
         if op == "logical_not":
             return b.fcmp_ordered("==", x, self.f32(0.0))
         raise CodegenError(f"op {op} is not supported for floats by the CPU code generator")
@@ -227,19 +271,12 @@ class ScalarMath:
             # 'contract' lets LLVM fuse a*b+c into one FMA (one rounding instead of two), as
             # torch's own vectorised CPU kernels and every GPU do: matmul inner loops need it.
             return {"add": b.fadd, "sub": b.fsub, "mul": b.fmul}[op](x, y, flags=("contract",))
-        simple = {"div": b.fdiv, "fmod": b.frem}
-        if op in simple:
-            return simple[op](x, y)
-        if op == "maximum":
-            return self.call("llvm.maximum.f32", F32, [x, y])
-        if op == "minimum":
-            return self.call("llvm.minimum.f32", F32, [x, y])
-        if op == "pow":
-            return self.call("llvm.pow.f32", F32, [x, y])
-        if op == "atan2":
-            return self.call("atan2f", F32, [x, y])
+        if op == "div":
+            return b.fdiv(x, y)
+        if op in _LIBM_2:
+            return self.libm(_LIBM_2[op], x, y)
         if op == "remainder":
-            mod = b.frem(x, y)
+            mod = self.libm("fmodf", x, y)
             return b.select(self._sign_differs(mod, y), b.fadd(mod, y), mod)
         if op == "floordiv":
             return self._floordiv_f32(x, y)
@@ -254,13 +291,13 @@ class ScalarMath:
     def _floordiv_f32(self, x: ir.Value, y: ir.Value) -> ir.Value:
         """c10's div_floor_floating: exact floor of x / y through fmod."""
         b, zero, one = self.b, self.f32(0.0), self.f32(1.0)
-        mod = b.frem(x, y)
+        mod = self.libm("fmodf", x, y)
         div = b.fdiv(b.fsub(x, mod), y)
         div = b.select(self._sign_differs(mod, y), b.fsub(div, one), div)
-        fl = self.call("llvm.floor.f32", F32, [div])
+        fl = self.libm("floorf", div)
         fl = b.select(b.fcmp_ordered(">", b.fsub(div, fl), self.f32(0.5)), b.fadd(fl, one), fl)
         q = b.fdiv(x, y)
-        signed_zero = self.call("llvm.copysign.f32", F32, [zero, q])
+        signed_zero = self.libm("copysignf", zero, q)
         res = b.select(b.fcmp_unordered("!=", div, zero), fl, signed_zero)
         return b.select(b.fcmp_ordered("==", y, zero), q, res)
 
@@ -384,7 +421,7 @@ class ScalarMath:
         fn, b = self._helper("sx.erfinv", F32, [F32])
         if b is None:
             return fn
-        sub = ScalarMath(self.module, b)
+        sub = ScalarMath(self.module, b, self.lib)
         (y,) = fn.args
         c = sub.f32
 
@@ -394,23 +431,22 @@ class ScalarMath:
                 acc = b.fadd(b.fmul(acc, z), c(k))
             return acc
 
-        fabs = lambda v: sub.call("llvm.fabs.f32", F32, [v])
-        copysign = lambda m, s: sub.call("llvm.copysign.f32", F32, [m, s])
+        fabs = lambda v: sub.libm("fabsf", v)
+        copysign = lambda m, s: sub.libm("copysignf", m, s)
         ya = fabs(y)
         z = b.fmul(y, y)
         num = poly(z, [0.886226899, -1.645349621, 0.914624893, -0.140543331])
         dem = b.fadd(b.fmul(poly(z, [-2.118377725, 1.442710462, -0.329097515, 0.012229801]), z), c(1.0))
         central = b.fdiv(b.fmul(y, num), dem)
-        z = sub.call("llvm.sqrt.f32", F32,
-                     [b.fneg(sub.call("llvm.log.f32", F32, [b.fdiv(b.fsub(c(1.0), ya), c(2.0))]))])
+        z = sub.libm("sqrtf", b.fneg(sub.libm("logf", b.fdiv(b.fsub(c(1.0), ya), c(2.0)))))
         num = poly(z, [-1.970840454, -1.624906493, 3.429567803, 1.641345311])
         dem = b.fadd(b.fmul(b.fadd(b.fmul(c(1.637067800), z), c(3.543889200)), z), c(1.0))
         tail = b.fdiv(copysign(num, y), dem)
         x = b.select(b.fcmp_ordered("<=", ya, c(0.7)), central, tail)
         two_over_sqrt_pi = _f32(2.0 * _f32(1.0 / math.sqrt(math.pi)))
         for _ in range(2):
-            err = b.fsub(sub.call("erff", F32, [x]), y)
-            slope = b.fmul(c(two_over_sqrt_pi), sub.call("llvm.exp.f32", F32, [b.fmul(b.fneg(x), x)]))
+            err = b.fsub(sub.libm("erff", x), y)
+            slope = b.fmul(c(two_over_sqrt_pi), sub.libm("expf", b.fmul(b.fneg(x), x)))
             x = b.fsub(x, b.fdiv(err, slope))
         x = b.select(b.fcmp_ordered("==", ya, c(1.0)), copysign(c(math.inf), y), x)
         b.ret(b.select(b.fcmp_ordered(">", ya, c(1.0)), c(math.nan), x))
@@ -422,17 +458,17 @@ class ScalarMath:
         fn, b = self._helper("sx.digamma", F32, [F32])
         if b is None:
             return fn
-        sub = ScalarMath(self.module, b)
+        sub = ScalarMath(self.module, b, self.lib)
         c = sub.f32
         (x,) = fn.args
         pos = self._digamma_positive()
         zero_bb, neg_bb, negint_bb, posx_bb = (fn.append_basic_block(n) for n in ("zero", "neg", "negint", "pos"))
         b.cbranch(b.fcmp_ordered("==", x, c(0.0)), zero_bb, neg_bb)
         b.position_at_end(zero_bb)
-        b.ret(sub.call("llvm.copysign.f32", F32, [c(math.inf), b.fneg(x)]))
+        b.ret(sub.libm("copysignf", c(math.inf), b.fneg(x)))
         b.position_at_end(neg_bb)
         is_neg = b.fcmp_ordered("<", x, c(0.0))
-        tx = sub.call("llvm.trunc.f32", F32, [x])
+        tx = sub.libm("truncf", x)
         reflect_bb = fn.append_basic_block("reflect")
         b.cbranch(is_neg, negint_bb, posx_bb)
         b.position_at_end(negint_bb)
@@ -441,9 +477,9 @@ class ScalarMath:
         b.ret(c(math.nan))
         b.position_at_end(reflect_bb)
         xd = b.fpext(x, F64)
-        r = b.fsub(xd, sub.call("llvm.trunc.f64", F64, [xd]))
+        r = b.fsub(xd, sub.libm("trunc", xd))
         pi = ir.Constant(F64, math.pi)
-        pi_over_tan = b.fptrunc(b.fdiv(pi, sub.call("tan", F64, [b.fmul(pi, r)])), F32)
+        pi_over_tan = b.fptrunc(b.fdiv(pi, sub.libm("tan", b.fmul(pi, r))), F32)
         b.ret(b.fsub(b.call(pos, [b.fsub(c(1.0), x)]), pi_over_tan))
         b.position_at_end(posx_bb)
         b.ret(b.call(pos, [x]))
@@ -453,7 +489,7 @@ class ScalarMath:
         fn, b = self._helper("sx.digamma.pos", F32, [F32])
         if b is None:
             return fn
-        sub = ScalarMath(self.module, b)
+        sub = ScalarMath(self.module, b, self.lib)
         c = sub.f32
         (x0,) = fn.args
         entry = b.block
@@ -478,7 +514,7 @@ class ScalarMath:
         for k in coeffs:  # polevl
             acc = b.fadd(b.fmul(acc, z), c(k))
         y = b.select(b.fcmp_ordered("<", x, c(1.0e17)), b.fmul(z, acc), c(0.0))
-        series = b.fsub(b.fsub(b.fadd(res, sub.call("llvm.log.f32", F32, [x])), b.fdiv(c(0.5), x)), y)
+        series = b.fsub(b.fsub(b.fadd(res, sub.libm("logf", x)), b.fdiv(c(0.5), x)), y)
         b.ret(b.select(b.fcmp_ordered("==", x, c(10.0)), b.fadd(res, c(2.25175258906672110764)), series))
         return fn
 

@@ -1,0 +1,539 @@
+"""Kernel IR → LLVM IR (NVPTX) → O3 → PTX: the GPU flavour of ``llvm_cpu``.
+
+On the GPU the kernel IR's SIMT model is the hardware's, so the lowering is direct (no phases):
+
+* each kernel is a ``ptx_kernel`` function with one ``ptr addrspace(1)`` parameter per global
+  buffer (``kernel.params`` order) and ``.reqntid`` = its block, so ``bdim`` is a constant and
+  ``tid`` gets a range (the driver refuses any other block shape); ``bid``/``gdim`` are read
+  from ``%ctaid``/``%nctaid``;
+* ``shared`` buffers are ``addrspace(3)`` globals (one per kernel and buffer), ``local`` buffers
+  allocas (SROA puts them in registers when every index is constant, else ``.local`` memory);
+* ``Barrier`` is ``bar.sync 0``; ``WarpReduce`` a butterfly of ``shfl.sync.bfly`` (see
+  :meth:`_Lowering._warp_reduce` for partial warps);
+* scalar semantics are ``scalar_math``'s (torch's), with C math from libdevice
+  (``libdevice.NvptxMath``): no LLVM math intrinsic NVPTX cannot select is ever emitted.
+
+All kernels go into one module: libdevice is linked once, every non-kernel function is
+internalised (so O3 inlines libdevice and global DCE drops the rest), and the NVPTX target
+machine emits one PTX text.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from sextant.codegen.errors import CodegenError
+from sextant.codegen.libdevice import NVPTX_MATH, link_libdevice
+from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
+from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
+from sextant.codegen.simt import WARP_OPS, expr_loads, iter_expr, iter_stmts, stmt_exprs
+from sextant.graph.dtypes import DType
+from sextant.graph.ops import IRTypeError, TensorType, infer_type
+from sextant.kernel.ir import (
+    Assign,
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    Select,
+    Special,
+    Stmt,
+    Store,
+    Unary,
+    Var,
+    WarpReduce,
+)
+
+TRIPLE = "nvptx64-nvidia-cuda"
+DEFAULT_ARCH = "sm_90"
+GLOBAL, SHARED = 1, 3  # NVPTX address spaces
+WARP = 32
+MAX_STATIC_SHARED = 48 * 1024  # more needs dynamic shared memory (not supported)
+MAX_UNROLL = 512
+_AXES = {"x": 0, "y": 1, "z": 2}
+_SREG = {"tid": "tid", "bid": "ctaid", "bdim": "ntid", "gdim": "nctaid"}
+_WARP_OP = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_ARCH = re.compile(r"sm_(\d+)([af]?)\Z")
+# the PTX ISA each GPU needs (the default, 8.0, covers sm_50 … sm_90a and CUDA ≥ 12.0's ptxas)
+_MIN_PTX = {100: 86, 101: 86, 103: 88, 110: 90, 120: 87, 121: 88}
+
+
+@dataclass(frozen=True)
+class PtxKernel:
+    """One ``.entry`` of a :class:`PtxModule` and how to launch it."""
+
+    name: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: tuple[str, ...]  # global buffers, in parameter order
+    shared_bytes: int  # static shared memory
+
+
+@dataclass(frozen=True)
+class PtxModule:
+    """The PTX of a set of kernels, and what produced it (for inspection and tests)."""
+
+    ptx: str
+    arch: str
+    kernels: tuple[PtxKernel, ...]
+    llvm_ir: str  # as lowered, before libdevice and O3
+    optimized_ir: str
+    libdevice: tuple[str, ...]  # the __nv_* functions linked in
+    timings: dict[str, float] = field(default_factory=dict, compare=False)  # seconds per stage
+
+    @property
+    def names(self) -> list[str]:
+        return [k.name for k in self.kernels]
+
+    def kernel(self, name: str) -> PtxKernel:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KeyError(f"no kernel {name!r} in this module (has {', '.join(self.names)})")
+
+
+def ptx_features(arch: str, ptx_isa: int | None = None) -> str:
+    """The target feature string selecting a PTX ISA version ``arch`` accepts: 8.0 unless the
+    GPU needs newer (``ptx_isa``, e.g. 83 for 8.3, overrides; CUDA 13.0's ptxas reads ≤ 9.0)."""
+    m = _ARCH.match(arch)
+    if not m:
+        raise CodegenError(f"unknown GPU architecture {arch!r}; expected e.g. 'sm_80' or 'sm_90a'")
+    need = max(_MIN_PTX.get(int(m.group(1)), 80), 88 if m.group(2) == "f" else 80)
+    return f"+ptx{ptx_isa if ptx_isa is not None else need}"
+
+
+def nvptx_target_machine(arch: str = DEFAULT_ARCH, ptx_isa: int | None = None) -> llvm.TargetMachine:
+    _init_llvm()
+    target = llvm.Target.from_triple(TRIPLE)
+    return target.create_target_machine(cpu=arch, features=ptx_features(arch, ptx_isa), opt=3)
+
+
+def emit_llvm(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None) -> ir.Module:
+    """The unoptimised NVPTX module holding every kernel (libdevice not linked yet)."""
+    tm = tm or nvptx_target_machine()
+    module = ir.Module("sextant_nvptx")
+    module.triple = TRIPLE
+    module.data_layout = str(tm.target_data)
+    # libdevice's __nvvm_reflect("__CUDA_FTZ"): keep denormals, as torch does
+    module.add_named_metadata("llvm.module.flags", [ir.Constant(I32, 4), ir.MetaDataString(module, "nvvm-reflect-ftz"),
+                                                    ir.Constant(I32, 0)])
+    seen: set[str] = set()
+    for k in kernels:
+        if not _NAME.match(k.name):
+            raise CodegenError(f"kernel name {k.name!r} is not a valid PTX identifier")
+        if k.name in seen:
+            raise CodegenError(f"two kernels are named {k.name!r}")
+        seen.add(k.name)
+        _Lowering(module, k).emit()
+    return module
+
+
+def emit_ptx(kernels: Sequence[Kernel], arch: str = DEFAULT_ARCH, ptx_isa: int | None = None) -> PtxModule:
+    """Lower ``kernels`` into one LLVM module, link libdevice, optimise at O3 for ``arch`` and
+    emit PTX (``ptx_isa``: e.g. 80 for PTX 8.0; by default the oldest one ``arch`` accepts)."""
+    if not kernels:
+        raise CodegenError("emit_ptx needs at least one kernel")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    tm = nvptx_target_machine(arch, ptx_isa)
+    module = emit_llvm(kernels, tm)
+    text = str(module)
+    timings["lower"] = time.perf_counter() - t0
+    names = {k.name for k in kernels}
+    with _compile_lock:
+        t = time.perf_counter()
+        try:
+            llmod = llvm.parse_assembly(text)
+            llmod.verify()
+        except RuntimeError as e:  # a code generator bug: show the IR's first lines
+            raise CodegenError(f"generated LLVM IR is invalid: {e}\n{text[:4000]}") from e
+        timings["parse"] = time.perf_counter() - t
+        t = time.perf_counter()
+        linked = link_libdevice(llmod)
+        for fn in llmod.functions:  # only the kernels are entry points
+            if not fn.is_declaration and fn.name not in names:
+                fn.linkage = llvm.Linkage.internal
+        timings["libdevice"] = time.perf_counter() - t
+        t = time.perf_counter()
+        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+        pb.getModulePassManager().run(llmod, pb)
+        optimized = str(llmod)
+        timings["optimize"] = time.perf_counter() - t
+        t = time.perf_counter()
+        asm = tm.emit_assembly(llmod)
+        timings["emit"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    unresolved = re.findall(r"^\.extern \.func .*?(\w+)\s*\(", asm, re.MULTILINE)
+    if unresolved:
+        raise CodegenError(f"the PTX calls undefined function(s) {', '.join(unresolved)}")
+    infos = tuple(PtxKernel(k.name, k.grid, k.block, tuple(p.name for p in k.params), _shared_bytes(k))
+                  for k in kernels)
+    return PtxModule(asm, arch, infos, text, optimized, tuple(linked), timings)
+
+
+def _shared_bytes(k: Kernel) -> int:
+    return sum(s.size * s.dtype.itemsize for s in k.shared)
+
+
+def _var_types(k: Kernel) -> dict[str, DType]:
+    """Every register's dtype (one per name) and a check that each is assigned somewhere."""
+    types: dict[str, DType] = {}
+    assigned: set[str] = set()
+
+    def note(v: Var) -> None:
+        if types.setdefault(v.name, v.dtype) != v.dtype:
+            raise CodegenError(f"kernel {k.name}: register {v.name!r} is used both as "
+                               f"{types[v.name].value} and {v.dtype.value}")
+
+    for s in iter_stmts(k.body):
+        if isinstance(s, Assign | WarpReduce | For):
+            note(s.var)
+            assigned.add(s.var.name)
+        for e in stmt_exprs(s):
+            for x in iter_expr(e):
+                if isinstance(x, Var):
+                    note(x)
+    unassigned = sorted(set(types) - assigned)
+    if unassigned:
+        raise CodegenError(f"kernel {k.name}: register(s) {', '.join(unassigned)} are read but never assigned")
+    return types
+
+
+# -- lowering of one kernel ----------------------------------------------------------------------
+class _Lowering:
+    def __init__(self, module: ir.Module, kernel: Kernel):
+        self.module = module
+        self.kernel = kernel
+        gptr = ir.PointerType(addrspace=GLOBAL)
+        self.fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [gptr] * len(kernel.params)), kernel.name)
+        self.fn.calling_convention = "ptx_kernel"
+        self.fn.attributes.add("nounwind")
+        md = module.add_named_metadata("nvvm.annotations")  # LLVM ≥ 21 upgrades these to "nvvm.reqntid"
+        for axis, n in zip("xyz", kernel.block, strict=True):
+            md.add(module.add_metadata([self.fn, ir.MetaDataString(module, f"reqntid{axis}"), ir.Constant(I32, n)]))
+        self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
+        self.math = ScalarMath(module, self.b, NVPTX_MATH)
+        self.buffers: dict[str, tuple[Buffer, ir.Value]] = {}
+        self.slots: dict[str, ir.Value] = {}
+        self.var_types: dict[str, DType] = {}
+        self.memo: dict[int, tuple[Expr, ir.Value]] = {}
+        self._ltid: ir.Value | None = None
+
+    def _fail(self, msg: str) -> CodegenError:
+        return CodegenError(f"kernel {self.kernel.name}: {msg}")
+
+    @staticmethod
+    def _i32(v: int) -> ir.Constant:
+        return ir.Constant(I32, v)
+
+    # -- storage -----------------------------------------------------------------------------
+    def _preamble(self) -> None:
+        k = self.kernel
+        if min(k.block) < 1 or min(k.grid) < 1:
+            raise self._fail(f"launch grid {k.grid} / block {k.block} has an empty dimension")
+        if k.threads_per_block > 1024:
+            raise self._fail(f"a block of {k.threads_per_block} threads exceeds the GPU's 1024")
+        for p, arg in zip(k.params, self.fn.args, strict=True):
+            if p.space != "global":
+                raise self._fail(f"parameter {p.name} is in {p.space!r} memory, expected 'global'")
+            arg.name = p.name
+            self.buffers[p.name] = (p, arg)
+        if _shared_bytes(k) > MAX_STATIC_SHARED:
+            raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {MAX_STATIC_SHARED} bytes of "
+                             "static shared memory a block may declare (dynamic shared memory is not supported)")
+        for s in k.shared:
+            ty = ir.ArrayType(mem_type(s.dtype), s.size)
+            g = ir.GlobalVariable(self.module, ty, f"{k.name}.{s.name}", addrspace=SHARED)
+            g.linkage = "internal"
+            g.initializer = ir.Constant(ty, ir.Undefined)  # .shared memory cannot be initialised
+            g.align = 16
+            g.type = ir.PointerType(addrspace=SHARED)
+            self.buffers[s.name] = (s, g)
+        for loc in k.local:
+            a = self.b.alloca(ir.ArrayType(mem_type(loc.dtype), loc.size), name=f"local.{loc.name}")
+            a.align = 16
+            a.type = ir.PointerType()
+            self.buffers[loc.name] = (loc, a)
+        self.var_types = _var_types(k)
+        for name, dt in self.var_types.items():
+            a = self.b.alloca(reg_type(dt), name=f"r.{name}")
+            a.type = ir.PointerType()
+            self.slots[name] = a
+
+    def read_var(self, v: Var) -> ir.Value:
+        return self.b.load(self.slots[v.name], typ=reg_type(v.dtype))
+
+    def write_var(self, v: Var, value: ir.Value) -> None:
+        self.b.store(value, self.slots[v.name])
+
+    def _elem_ptr(self, name: str, index: ir.Value) -> tuple[Buffer, ir.Value]:
+        if not isinstance(index.type, ir.IntType) or index.type.width < 32:
+            raise self._fail(f"the index into {name} is not an i32/i64 value")
+        if name not in self.buffers:
+            raise self._fail(f"no buffer named {name!r}")
+        buf, base = self.buffers[name]
+        return buf, self.b.gep(base, [index], inbounds=True, source_etype=mem_type(buf.dtype))
+
+    # -- structure ---------------------------------------------------------------------------
+    def emit(self) -> None:
+        self._preamble()
+        self._stmts(self.kernel.body)
+        self.b.ret_void()
+
+    def _stmts(self, stmts: Sequence[Stmt]) -> None:
+        for s in stmts:
+            self._stmt(s)
+
+    def _stmt(self, s: Stmt) -> None:
+        self.memo = {}
+        b = self.b
+        if isinstance(s, Assign):
+            if s.value.dtype != s.var.dtype:
+                raise self._fail(f"assigning a {s.value.dtype.value} value to register {s.var.name} "
+                                 f"({s.var.dtype.value})")
+            self.write_var(s.var, self._value(s.value))
+        elif isinstance(s, Store):
+            idx, val = self._value(s.index), self._value(s.value)
+            buf, ptr = self._elem_ptr(s.buffer, idx)
+            if buf.dtype != s.value.dtype:
+                raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
+            b.store(self.math.to_mem(val, buf.dtype), ptr)
+        elif isinstance(s, For):
+            self._for(s)
+        elif isinstance(s, If):
+            cond = self._cond(s.cond)
+            if s.orelse:
+                with b.if_else(cond) as (then, orelse):
+                    with then:
+                        self._stmts(s.then)
+                    with orelse:
+                        self._stmts(s.orelse)
+            else:
+                with b.if_then(cond):
+                    self._stmts(s.then)
+        elif isinstance(s, Barrier):
+            self._barrier()
+        elif isinstance(s, WarpReduce):
+            self._warp_reduce(s)
+        else:
+            raise self._fail(f"unknown statement {type(s).__name__}")
+
+    def _loop(self, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None], name: str) -> None:
+        """``for iv in range(start, stop, step): body(iv)`` as a header/body/latch loop."""
+        if step == 0:
+            raise self._fail(f"loop {name} has step 0")
+        b = self.b
+        pre = b.block
+        head, body_bb, done = (self.fn.append_basic_block(f"{name}.{s}") for s in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        iv = b.phi(start.type, name=name)
+        iv.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<" if step > 0 else ">", iv, stop), body_bb, done)
+        b.position_at_end(body_bb)
+        body(iv)
+        iv.add_incoming(b.add(iv, ir.Constant(start.type, step), flags=["nsw"]), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    def _for(self, s: For) -> None:
+        if not (s.var.dtype.is_int and s.start.dtype == s.var.dtype == s.stop.dtype):
+            raise self._fail(f"loop over {s.var.name} ({s.var.dtype.value}) needs integer bounds of its type, "
+                             f"got {s.start.dtype.value} and {s.stop.dtype.value}")
+        start, stop = self._value(s.start), self._value(s.stop)
+        if s.unroll and isinstance(start, ir.Constant) and isinstance(stop, ir.Constant):
+            values = range(int(start.constant), int(stop.constant), s.step)
+            if len(values) <= MAX_UNROLL:
+                for v in values:
+                    self.write_var(s.var, ir.Constant(start.type, v))
+                    self._stmts(s.body)
+                return
+
+        def body(iv: ir.Value) -> None:
+            self.write_var(s.var, iv)
+            self._stmts(s.body)
+
+        self._loop(start, stop, s.step, body, s.var.name)
+
+    def _cond(self, e: Expr) -> ir.Value:
+        if e.dtype != DType.bool:
+            raise self._fail(f"an If condition must be bool, got {e.dtype.value}: {e!r}")
+        return self._value(e)
+
+    # -- synchronisation ---------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if llvm.llvm_version_info >= (21,):  # barrier0 is auto-upgraded to this since LLVM 21
+            self.math.call("llvm.nvvm.barrier.cta.sync.aligned.all", ir.VoidType(), [self._i32(0)])
+        else:
+            self.math.call("llvm.nvvm.barrier0", ir.VoidType(), [])
+
+    def _linear_tid(self) -> ir.Value:
+        """The thread's index in its block, x fastest: hardware warps are consecutive ones."""
+        if self._ltid is None:
+            with self.b.goto_entry_block():  # once per kernel, dominating every use
+                bx, by, _ = self.kernel.block
+                tx, ty, tz = (self._special(Special("tid", a)) for a in "xyz")
+                b, nsw = self.b, ["nsw", "nuw"]
+                self._ltid = b.add(b.mul(b.add(b.mul(tz, self._i32(by), flags=nsw), ty, flags=nsw),
+                                         self._i32(bx), flags=nsw), tx, flags=nsw)
+        return self._ltid
+
+    def _warp_reduce(self, s: WarpReduce) -> None:
+        """``var = op(value over the lanes of this thread's group of width)``.
+
+        When every group is full (threads per block a multiple of the width), a butterfly:
+        log2(width) ``shfl.sync.bfly`` steps leave the result in every lane. A block whose
+        size is not a multiple of the width has a partial last group, whose missing lanes a
+        butterfly would read: there, a ``shfl.sync.down`` tree that skips lanes past the
+        block's end gathers the result in the group's first lane, and ``shfl.sync.idx``
+        broadcasts it. The member mask is the lanes of this warp that exist."""
+        k, dt, w = self.kernel, s.var.dtype, s.width
+        if s.op not in WARP_OPS:
+            raise self._fail(f"WarpReduce op {s.op!r} is not one of {WARP_OPS}")
+        if not (1 <= w <= WARP and w & (w - 1) == 0):
+            raise self._fail(f"WarpReduce width {w} is not a power of two ≤ {WARP}")
+        if s.value.dtype != dt:
+            raise self._fail(f"WarpReduce into {s.var.name} ({dt.value}) of a {s.value.dtype.value} value")
+        if s.op in ("sum", "prod") and dt == DType.bool:
+            raise self._fail(f"WarpReduce {s.op} of bool")
+        b, T = self.b, k.threads_per_block
+        v = self._value(s.value)
+        combine = lambda x, y: self.math.binary(_WARP_OP[s.op], x, y, dt)
+        clamp = self._i32(((WARP - w) << 8) | (WARP - 1))  # segment of w lanes, as CUDA's width
+        mask: ir.Value = self._i32(-1)
+        if T % WARP:
+            lanes = b.sub(self._i32(T), b.and_(self._linear_tid(), self._i32(~(WARP - 1))), flags=["nsw"])
+            full = b.icmp_signed(">=", lanes, self._i32(WARP))
+            mask = b.select(full, self._i32(-1), b.sub(b.shl(self._i32(1), lanes), self._i32(1)))
+        if T % w == 0:
+            off = w // 2
+            while off:
+                v = combine(v, self._shfl("bfly", mask, v, self._i32(off), clamp, dt))
+                off //= 2
+        else:
+            ltid = self._linear_tid()
+            lane = b.and_(ltid, self._i32(w - 1))
+            valid = b.sub(self._i32(T), b.sub(ltid, lane), flags=["nsw"])  # lanes of this group that exist
+            off = w // 2
+            while off:
+                other = self._shfl("down", mask, v, self._i32(off), clamp, dt)
+                v = b.select(b.icmp_signed("<", b.add(lane, self._i32(off)), valid), combine(v, other), v)
+                off //= 2
+            v = self._shfl("idx", mask, v, self._i32(0), clamp, dt)
+        self.write_var(s.var, v)
+
+    def _shfl(self, mode: str, mask: ir.Value, v: ir.Value, lane: ir.Value, clamp: ir.Value, dt: DType) -> ir.Value:
+        """One ``shfl.sync.MODE`` of a value of any dtype (as 32-bit words)."""
+        b = self.b
+
+        def word(x: ir.Value) -> ir.Value:
+            kind = "f32" if x.type == ir.FloatType() else "i32"
+            return self.math.call(f"llvm.nvvm.shfl.sync.{mode}.{kind}", x.type, [mask, x, lane, clamp])
+
+        if v.type in (ir.FloatType(), I32):
+            return word(v)
+        if v.type == I64:
+            lo, hi = b.trunc(v, I32), b.trunc(b.lshr(v, ir.Constant(I64, 32)), I32)
+            lo, hi = word(lo), word(hi)
+            return b.or_(b.zext(lo, I64), b.shl(b.zext(hi, I64), ir.Constant(I64, 32)))
+        if v.type == ir.HalfType():
+            r = word(b.zext(b.bitcast(v, I16), I32))
+            return b.bitcast(b.trunc(r, I16), ir.HalfType())
+        if v.type in (I1, I8, I16):
+            return b.trunc(word(b.zext(v, I32)), v.type)
+        raise self._fail(f"WarpReduce of {dt.value} is not supported")
+
+    # -- expressions -------------------------------------------------------------------------
+    def _value(self, e: Expr) -> ir.Value:
+        hit = self.memo.get(id(e))
+        if hit is not None:
+            return hit[1]
+        v = self._expr(e)
+        self.memo[id(e)] = (e, v)
+        return v
+
+    def _expr(self, e: Expr) -> ir.Value:
+        m = self.math
+        if isinstance(e, Const):
+            return m.const(e.value, e.dtype)
+        if isinstance(e, Var):
+            if e.name not in self.slots:
+                raise self._fail(f"register {e.name!r} is not defined")
+            return self.read_var(e)
+        if isinstance(e, Special):
+            return self._special(e)
+        if isinstance(e, Load):
+            idx = self._value(e.index)
+            buf, ptr = self._elem_ptr(e.buffer, idx)
+            if buf.dtype != e.dtype:
+                raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
+            return m.from_mem(self.b.load(ptr, typ=mem_type(buf.dtype)), buf.dtype)
+        if isinstance(e, Unary):
+            self._check_type(e.op, [e.a.dtype], e.dtype)
+            return m.unary(e.op, self._value(e.a), e.a.dtype)
+        if isinstance(e, Binary):
+            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
+            return m.binary(e.op, self._value(e.a), self._value(e.b), e.a.dtype)
+        if isinstance(e, Cast):
+            return m.cast(self._value(e.a), e.a.dtype, e.dtype)
+        if isinstance(e, Select):
+            self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
+            return self._select(e)
+        raise self._fail(f"unknown expression {e!r}")
+
+    def _select(self, e: Select) -> ir.Value:
+        """A ``select``; but when an arm loads memory, only the chosen arm is evaluated (the
+        condition often guards the load's index)."""
+        cond = self._value(e.cond)
+        if not (expr_loads(e.a) or expr_loads(e.b)):
+            return self.math.select(cond, self._value(e.a), self._value(e.b))
+        b = self.b
+        saved = dict(self.memo)
+        with b.if_else(cond) as (then, orelse):
+            with then:
+                va, ba = self._value(e.a), b.block
+            self.memo = dict(saved)
+            with orelse:
+                vb, bb = self._value(e.b), b.block
+        self.memo = saved
+        phi = b.phi(va.type)
+        phi.add_incoming(va, ba)
+        phi.add_incoming(vb, bb)
+        return phi
+
+    def _check_type(self, op: str, ins: list[DType], out: DType) -> None:
+        try:
+            t = infer_type(op, [TensorType((), d) for d in ins], {})
+        except IRTypeError as err:
+            raise self._fail(str(err)) from None
+        if t.dtype != out:
+            raise self._fail(f"{op} of {', '.join(d.value for d in ins)} gives {t.dtype.value}, "
+                             f"but the expression says {out.value}")
+
+    def _special(self, e: Special) -> ir.Value:
+        """``tid``/``bid``/``gdim`` from the special registers; ``bdim`` is the constant block
+        (``.reqntid`` makes it exact) and ``tid`` gets its range, for LLVM's benefit."""
+        if e.kind not in _SREG or e.axis not in _AXES:
+            raise self._fail(f"unknown special register {e.kind}.{e.axis}")
+        n = self.kernel.block[_AXES[e.axis]]
+        if e.kind == "bdim":
+            return self._i32(n)
+        if e.kind == "tid" and n == 1:
+            return self._i32(0)
+        v = self.math.call(f"llvm.nvvm.read.ptx.sreg.{_SREG[e.kind]}.{e.axis}", I32, [])
+        if e.kind == "tid":
+            v.set_metadata("range", self.module.add_metadata([self._i32(0), self._i32(n)]))
+        return v
