@@ -16,10 +16,11 @@ statement it is in. It checks, in order:
   needs every lane of its warp, so thread-dependent control is allowed only when it is the
   same for the whole warp (``if (tid.x < 32)`` with full warps);
 * memory: an access whose index is proved out of bounds is an error. Range analysis (with
-  the facts of enclosing ``If`` guards) first tries to prove the access in bounds; if it can't,
-  a search over boundary threads and loop iterations looks for a concrete thread that reaches
-  the access with a bad index — only such a witness is reported, so a pattern the analysis
-  does not understand is never rejected.
+  the facts of enclosing ``If`` guards) first tries to prove the access in bounds, or proves
+  it out of bounds wherever it runs; otherwise a search over boundary threads and loop
+  iterations looks for a concrete thread that reaches the access with a bad index. Only such
+  proofs are reported, so a correct pattern the analysis does not understand (an index
+  computed as ``i - (i/64)*64``) is never rejected.
 """
 
 from __future__ import annotations
@@ -306,13 +307,17 @@ class _Verifier:
 
     def access(self, s: Stmt, buf: str, idx: Expr, env: Env, path: tuple, store: bool = False) -> None:
         size = self.buffers[buf].size
+        kind = "store to" if store else "load from"
         b = bounds(idx, env)
         if b is not None and b[0] >= 0 and b[1] < size:
+            return
+        if b is not None and (b[1] < 0 or b[0] >= size):  # wherever it runs (this code is reachable)
+            self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is always out of bounds: its index is in "
+                         f"[{b[0]}, {b[1]}], but {buf!r} has {size} elements")
             return
         found = _Witness(self.k, path, idx, size).search()
         if found is not None:
             value, where = found
-            kind = "store to" if store else "load from"
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is out of bounds: index {value} at {where}, "
                          f"but {buf!r} has {size} elements")
 

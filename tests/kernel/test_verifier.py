@@ -305,6 +305,13 @@ def test_out_of_bounds_reported_on_large_launches_too() -> None:
     fails(k, r"store to y\[i\] is out of bounds: index 2559[4-9]\d at tid.x=\d+, bid.x=3999")
 
 
+def test_always_out_of_bounds_behind_a_data_dependent_guard() -> None:
+    """No concrete thread can be followed through ``idx[...] < 0``, but the index is wrong wherever it runs."""
+    k = kernel(If(lt(Load("idx", TID, I32), c(0)), (Store("y", add(TID, c(256)), f(0)),)))
+    fails(k, r"store to y\[tid.x \+ 256\] is always out of bounds: its index is in \[256, 319\]")
+    verify_kernel(kernel(If(lt(Load("idx", TID, I32), c(0)), (Store("y", add(TID, c(192)), f(0)),))))
+
+
 def test_out_of_bounds_in_dead_code_is_not_reported() -> None:
     k = kernel(*GUARDED, If(b("ge", IV, c(100000)), (Store("y", IV, f(0)),)))
     verify_kernel(k)
