@@ -330,57 +330,67 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
 
 
 # -- convolution ----------------------------------------------------------------------------------
+def conv_accumulate(e: ValueEmitter, cv: Node, oidx: Index) -> Var:
+    """Emit the direct-convolution sum for the output element ``oidx`` of conv node ``cv``:
+    a loop over (in channels of its group, kernel offsets), reading the input through a bounds
+    check that stands for zero padding. Returns the accumulator register (f32 for half types)."""
+    x, w = cv.inputs
+    stride, padding, dilation, groups = (cv.attr(k) for k in ("stride", "padding", "dilation", "groups"))
+    nsp = len(cv.shape) - 2
+    cin_g = w.shape[1]
+    cout_g = w.shape[0] // groups
+    ksp = w.shape[2:]
+    acc_t = accum_dtype(cv.dtype)
+    nn, co = oidx[0], oidx[1]
+    g = e.bind(Binary("div", co, c(cout_g), INDEX), "g") if groups > 1 else c(0)
+    acc = e.var("acc", acc_t)
+    e.emit(Assign(acc, Const(0.0, acc_t)))
+
+    def red(q: Var) -> None:
+        ci, *kk = delinearize(q, (cin_g, *ksp))
+        inb: Expr = Const(True, DType.bool)
+        pos = []
+        for d in range(nsp):
+            p = iadd(iadd(imul(oidx[2 + d], stride[d]), c(-padding[d])), imul(kk[d], dilation[d]))
+            p = e.bind(p, "p")
+            if padding[d]:
+                ok = e.bind(Binary("bitwise_and", Binary("ge", p, c(0), DType.bool),
+                                   Binary("lt", p, c(x.shape[2 + d]), DType.bool), DType.bool), "inb")
+                p = e.bind(Select(ok, p, c(0), INDEX), "p")
+                inb = ok if isinstance(inb, Const) else e.bind(Binary("bitwise_and", inb, ok, DType.bool))
+            pos.append(p)
+        xc = iadd(imul(g, cin_g), ci)
+        xv = e.value(x, (nn, xc, *pos))
+        wv = e.value(w, (co, ci, *kk))
+        xv = xv if xv.dtype == acc_t else Cast(xv, acc_t)
+        wv = wv if wv.dtype == acc_t else Cast(wv, acc_t)
+        prod: Expr = Binary("mul", xv, wv, acc_t)
+        if not isinstance(inb, Const):
+            prod = Select(inb, prod, Const(0.0, acc_t), acc_t)
+        e.emit(Assign(acc, Binary("add", acc, prod, acc_t)))
+
+    _loop(e, cin_g * math.prod(ksp), red, "q")
+    return acc
+
+
 def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """Direct convolution: a block computes output rows (batch, out channel, leading spatial
     dims) and loops over the last spatial dim; each output sums over (in channels of its group,
     kernel offsets), reading the input through a bounds check that stands for zero padding."""
     cv = group.anchor
-    x, w = cv.inputs
-    stride, padding, dilation, groups = (cv.attr(k) for k in ("stride", "padding", "dilation", "groups"))
+    w = cv.inputs[1]
     out_shape = cv.shape
-    nsp = len(out_shape) - 2
-    cin_g = w.shape[1]
-    cout_g = w.shape[0] // groups
     e, params, _ = _setup(group, stored)
     acc_t = accum_dtype(cv.dtype)
     rows = math.prod(out_shape[:-1])
-    blocks, per = _chunks(rows, target, out_shape[-1] * cin_g * math.prod(w.shape[2:]))
-    ksp = w.shape[2:]
+    blocks, per = _chunks(rows, target, out_shape[-1] * w.shape[1] * math.prod(w.shape[2:]))
 
     def row(r: Var) -> None:
         lead = delinearize(r, out_shape[:-1])
 
         def col(ow: Var) -> None:
             oidx = (*lead, ow)
-            nn, co = oidx[0], oidx[1]
-            g = e.bind(Binary("div", co, c(cout_g), INDEX), "g") if groups > 1 else c(0)
-            acc = e.var("acc", acc_t)
-            e.emit(Assign(acc, Const(0.0, acc_t)))
-
-            def red(q: Var) -> None:
-                ci, *kk = delinearize(q, (cin_g, *ksp))
-                inb: Expr = Const(True, DType.bool)
-                pos = []
-                for d in range(nsp):
-                    p = iadd(iadd(imul(oidx[2 + d], stride[d]), c(-padding[d])), imul(kk[d], dilation[d]))
-                    p = e.bind(p, "p")
-                    if padding[d]:
-                        ok = e.bind(Binary("bitwise_and", Binary("ge", p, c(0), DType.bool),
-                                           Binary("lt", p, c(x.shape[2 + d]), DType.bool), DType.bool), "inb")
-                        p = e.bind(Select(ok, p, c(0), INDEX), "p")
-                        inb = ok if isinstance(inb, Const) else e.bind(Binary("bitwise_and", inb, ok, DType.bool))
-                    pos.append(p)
-                xc = iadd(imul(g, cin_g), ci)
-                xv = e.value(x, (nn, xc, *pos))
-                wv = e.value(w, (co, ci, *kk))
-                xv = xv if xv.dtype == acc_t else Cast(xv, acc_t)
-                wv = wv if wv.dtype == acc_t else Cast(wv, acc_t)
-                prod: Expr = Binary("mul", xv, wv, acc_t)
-                if not isinstance(inb, Const):
-                    prod = Select(inb, prod, Const(0.0, acc_t), acc_t)
-                e.emit(Assign(acc, Binary("add", acc, prod, acc_t)))
-
-            _loop(e, cin_g * math.prod(ksp), red, "q")
+            acc = conv_accumulate(e, cv, oidx)
             e.regs[id(cv)] = acc if acc_t == cv.dtype else e.bind(Cast(acc, cv.dtype))
             _store_epilogue(e, group, oidx)
             e.regs.pop(id(cv))

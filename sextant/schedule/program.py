@@ -14,8 +14,10 @@ import torch
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.reference import eval_node
+from sextant.kernel import simplify_kernel, verify_kernel
 from sextant.kernel.ir import Kernel
 from sextant.schedule import memory
+from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, external_buffers
 from sextant.schedule.partition import Group, partition
 from sextant.schedule.target import TargetDesc
@@ -90,6 +92,14 @@ def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
     return packed
 
 
+def finish_kernel(k: Kernel, target: TargetDesc) -> Kernel:
+    """Simplify a freshly generated kernel's index arithmetic (dropping provably dead edge paths and
+    bounds checks) and verify it: a scheduler bug is caught here, not as a wrong answer later."""
+    k = simplify_kernel(k)
+    verify_kernel(k, shared_limit=target.shared_bytes)
+    return k
+
+
 def schedule(graph: Graph, target: TargetDesc) -> Program:
     groups = partition(graph)
     packed = prepack_weights(graph, groups)
@@ -113,17 +123,18 @@ def schedule(graph: Graph, target: TargetDesc) -> Program:
         if n.op == "param":
             constants[buffer(n, "param")] = graph.params[n.attr("name")]
     graph_outputs = {id(o) for o in graph.outputs}
+    mappings = GPU_MAPPINGS if target.is_gpu else MAPPINGS
     unique: dict[Kernel, str] = {}
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []
     for gi, g in enumerate(groups):
-        k = MAPPINGS[g.kind](g, stored, target, "kernel")
+        k = mappings[g.kind](g, stored, target, "kernel")
         key = dataclasses.replace(k, name="")
         name = unique.get(key)
         if name is None:
             name = f"{g.kind}_{len(kernels)}"
             unique[key] = name
-            kernels[name] = dataclasses.replace(k, name=name)
+            kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target)
         ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
                for n in external_buffers(g, stored)]
         outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]

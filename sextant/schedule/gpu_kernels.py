@@ -1,0 +1,513 @@
+"""GPU mappings: each fused group kind spread over blocks, warps and threads (``target.is_gpu``).
+
+The contract is that of the CPU mappings in ``kernels.py``: ``(group, stored, target, name) ->
+Kernel``, the same canonical buffers (``in0..``, ``out0..``), the same fusion and the same
+inlined indexing (``ValueEmitter``), so deduplication, launches and the memory plan don't
+change. Only the mapping onto the machine differs: many threads per block, consecutive
+threads on consecutive elements of the innermost dimension (coalesced global accesses), warp
+shuffles and shared memory for reductions, shared-memory tiles for matmul.
+
+The parameters are tuned for ``sm90_target()`` (warps of 32, 48 KiB of static shared memory,
+at most 1024 threads a block) and read from the target where they depend on it. Every kernel
+here also runs, unchanged, through the SIMT CPU lowering (``codegen/llvm_cpu``), which is how
+they are tested without a GPU. Rules the mappings keep for both lowerings: a ``Barrier`` is
+only under thread-uniform control; a ``WarpReduce`` is executed by every lane of its warp
+(out-of-range rows are clamped, not skipped, and only their stores are guarded); loads are
+never out of bounds (tile loads outside the matrix are skipped and write a zero instead).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.kernel.ir import (
+    Assign,
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    Special,
+    Stmt,
+    Store,
+    Var,
+    WarpReduce,
+)
+from sextant.schedule.indexing import (
+    Index,
+    ValueEmitter,
+    accum_dtype,
+    c,
+    combine_op,
+    delinearize,
+    iadd,
+    idiv,
+    imin,
+    imod,
+    imul,
+    linearize,
+    reduce_identity,
+)
+from sextant.schedule.kernels import _ready, _setup, _store_epilogue, conv_accumulate
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+TID_X, TID_Y = Special("tid", "x"), Special("tid", "y")
+BID_X, BID_Y, BID_Z = Special("bid", "x"), Special("bid", "y"), Special("bid", "z")
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (gridDim.x goes to 2**31 - 1)
+
+# elementwise and conv: one thread per output element
+ELEMENTWISE_THREADS = 256  # 8 warps: enough to hide latency, small enough for 8 blocks per SM
+CONV_THREADS = 256
+
+# reductions
+REDUCE_THREADS = 256  # threads per block for both reduction mappings (8 warps)
+SHORT_ROW = 1024  # rows up to this many elements get (part of) a warp; longer ones a whole block
+
+# matmul: a 64x64 tile of C per block of 16x16 threads, each thread a 4x4 register micro-tile
+MM_TILE_M, MM_TILE_N, MM_TILE_K = 64, 64, 16
+MM_THREADS_X, MM_THREADS_Y = 16, 16
+MM_MICRO_M, MM_MICRO_N = MM_TILE_M // MM_THREADS_Y, MM_TILE_N // MM_THREADS_X
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _bool(op: str, a: Expr, b: Expr) -> Expr:
+    return Binary(op, a, b, DType.bool)
+
+
+def _and(conds: list[Expr]) -> Expr | None:
+    """The conjunction of ``conds`` (None when empty: no guard needed)."""
+    out: Expr | None = None
+    for cond in conds:
+        out = cond if out is None else _bool("bitwise_and", out, cond)
+    return out
+
+
+def _guarded(e: ValueEmitter, cond: Expr | None, body: Callable[[], None],
+             orelse: Callable[[], None] | None = None) -> None:
+    """``if cond: body() else: orelse()``, or just ``body()`` when there is no condition."""
+    if cond is None:
+        body()
+        return
+    with e.scope() as then:
+        body()
+    other: list[Stmt] = []
+    if orelse is not None:
+        with e.scope() as other:
+            orelse()
+    e.emit(If(cond, tuple(then), tuple(other)))
+
+
+def _strided_loop(e: ValueEmitter, start: Expr, stop: int, step: int, body: Callable[[Var], None],
+                  prefix: str = "q", unroll: bool = False) -> None:
+    """``for v in range(start, stop, step): body(v)`` (a lane's share of a row when ``start`` is
+    its lane and ``step`` the number of lanes)."""
+    v = e.var(prefix)
+    with e.scope() as stmts:
+        body(v)
+    e.emit(For(v, start, c(stop), step, tuple(stmts), unroll))
+
+
+def _threads_for(numel: int, target: TargetDesc, limit: int) -> int:
+    """Threads per block for a one-thread-per-element mapping: ``limit``, or fewer (whole warps)
+    when the output is smaller than one block."""
+    warp = max(target.warp, 1)
+    return max(warp, min(limit, -(-numel // warp) * warp))
+
+
+def _grid(e: ValueEmitter, extents: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[Expr, ...]]:
+    """The launch grid for logical block coordinates of the given extents, and their expressions.
+
+    The coordinates are ``bid.x/y/z`` when y and z fit CUDA's 65535 limit; otherwise all of them
+    are folded into ``bid.x`` (x innermost) and recovered by division."""
+    ex, ey, ez = (max(1, x) for x in extents)
+    if ey <= MAX_GRID_YZ and ez <= MAX_GRID_YZ:
+        return (ex, ey, ez), (BID_X, BID_Y if ey > 1 else c(0), BID_Z if ez > 1 else c(0))
+    bx = e.bind(imod(BID_X, ex), "bx")
+    rest = idiv(BID_X, ex)
+    by = e.bind(imod(rest, ey), "by")
+    bz = e.bind(idiv(rest, ey), "bz")
+    return (ex * ey * ez, 1, 1), (bx, by, bz)
+
+
+def _check_shared(name: str, shared: list[Buffer], target: TargetDesc) -> None:
+    used = sum(b.size * b.dtype.itemsize for b in shared)
+    if used > target.shared_bytes:  # a mapping bug: the parameters above are sized to fit
+        raise ValueError(f"kernel {name}: {used} bytes of shared memory exceed the target's {target.shared_bytes}")
+
+
+# -- elementwise -------------------------------------------------------------------------------------
+def gpu_elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """One thread per output element: thread ``i = bid.x * 256 + tid.x`` computes element ``i``
+    of the (row-major) output, so consecutive threads of a warp write consecutive elements of
+    the last dimension — and read consecutive elements of every input indexed the same way —
+    in coalesced 128-byte transactions.
+
+    256 threads (8 warps) a block: a multiple of the warp, enough threads per block to hide
+    memory latency, few enough registers for several resident blocks per SM; smaller outputs
+    get one block of just enough whole warps. ``ceil(numel / 256)`` blocks cover the output;
+    the last one is guarded by ``if i < numel`` (omitted when the block divides the output).
+    All outputs of the group share the anchor's shape (as in the CPU mapping)."""
+    out = group.outputs[0]
+    e, params, _ = _setup(group, stored)
+    numel = out.type.numel
+    threads = _threads_for(numel, target, ELEMENTWISE_THREADS)
+    blocks = max(1, -(-numel // threads))
+    if numel:
+        i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
+
+        def body() -> None:
+            idx = delinearize(i, out.shape) if out.shape else ()
+            for k, o in enumerate(group.outputs):
+                e.emit(Store(f"out{k}", linearize(idx, o.shape), e.value(o, idx)))
+
+        _guarded(e, _bool("lt", i, c(numel)) if numel % threads else None, body)
+    return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts),
+                  meta={"mapping": "thread-per-element"})
+
+
+# -- reductions ----------------------------------------------------------------------------------------
+class _Rows:
+    """The iteration space of a reduce group: rows (points of the kept dims) × the reduced dims."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.shape, self.axes = group.domain
+        self.row_dims = [d for d in range(len(self.shape)) if d not in self.axes]
+        self.red_shape = [self.shape[d] for d in self.axes]
+        self.n_red = math.prod(self.red_shape)
+        self.rows = math.prod(self.shape[d] for d in self.row_dims)
+        self.row_shape = tuple(1 if d in self.axes else s for d, s in enumerate(self.shape))
+        self.members = {id(m) for m in group.members}
+
+    def row_index(self, r: Expr) -> Index:
+        return delinearize(r, [self.shape[d] for d in self.row_dims])
+
+    def full_index(self, row_idx: Index, q: Expr | None) -> Index:
+        """The index of reduction element ``q`` of the row (the row's own index when None)."""
+        red_idx = delinearize(q, self.red_shape) if q is not None else tuple(c(0) for _ in self.axes)
+        out: list[Expr] = [c(0)] * len(self.shape)
+        for d, i in zip(self.row_dims, row_idx):
+            out[d] = i
+        for d, i in zip(self.axes, red_idx):
+            out[d] = i
+        return tuple(out)
+
+
+Combine = Callable[[int, Var, str, DType], Expr]  # (reduction #, lane partial, fn, dtype) -> row result
+
+
+def _reduce_row(e: ValueEmitter, rs: _Rows, row_idx: Index, lane: Expr, lanes: int, combine: Combine) -> None:
+    """Each reduction of the group in order (so softmax's sum and LayerNorm's variance see the
+    earlier results): every lane accumulates elements ``lane, lane + lanes, ...`` of the row in
+    a register (f32 for half types), ``combine`` merges the lanes' partials into the row result
+    (held by every lane), then the row values that only needed the reductions so far are
+    computed once."""
+    at_row = rs.full_index(row_idx, None)
+    k = 0
+    for m in rs.group.members:
+        if m.op != "reduce":
+            continue
+        fn = m.attr("fn")
+        acc_t = accum_dtype(m.dtype)
+        acc = e.var("acc", acc_t)
+        e.emit(Assign(acc, Const(reduce_identity(fn, acc_t), acc_t)))
+
+        def step(q: Var, m: Node = m, acc: Var = acc, fn: str = fn, acc_t: DType = acc_t) -> None:
+            v = e.value(m.inputs[0], rs.full_index(row_idx, q))
+            v = v if v.dtype == acc_t else Cast(v, acc_t)
+            e.emit(Assign(acc, Binary(combine_op(fn), acc, v, acc_t)))
+
+        _strided_loop(e, lane, rs.n_red, lanes, step)
+        result = combine(k, acc, fn, acc_t)
+        k += 1
+        e.regs[id(m)] = result if acc_t == m.dtype else e.bind(Cast(result, m.dtype))
+        for v in rs.group.members:
+            if v.op != "reduce" and v.shape == rs.row_shape and _ready(v, e.regs, rs.members):
+                e.value(v, at_row)
+
+
+def _store_row(e: ValueEmitter, rs: _Rows, row_idx: Index, lane: Expr, lanes: int, valid: Expr | None) -> None:
+    """Store the row's outputs: row-shaped ones by lane 0, full-shape ones by all lanes
+    cooperatively (lane ``l`` stores elements ``l, l + lanes, ...``: coalesced along the
+    reduced dims); only rows that exist (``valid``)."""
+    at_row = rs.full_index(row_idx, None)
+    outs = list(enumerate(rs.group.outputs))
+    row_outs = [(k, o) for k, o in outs if o.shape == rs.row_shape]
+    full_outs = [(k, o) for k, o in outs if o.shape != rs.row_shape]
+
+    def stores() -> None:
+        if row_outs:
+            def row_store() -> None:
+                for k, o in row_outs:
+                    e.emit(Store(f"out{k}", linearize(at_row, o.shape), e.value(o, at_row)))
+
+            _guarded(e, _bool("eq", lane, c(0)) if lanes > 1 else None, row_store)
+        if full_outs:
+            def store(q: Var) -> None:
+                idx = rs.full_index(row_idx, q)
+                for k, o in full_outs:
+                    e.emit(Store(f"out{k}", linearize(idx, o.shape), e.value(o, idx)))
+
+            _strided_loop(e, lane, rs.n_red, lanes, store)
+
+    _guarded(e, valid, stores)
+
+
+def _warp_width(n_red: int, target: TargetDesc) -> int:
+    """Lanes per row for short rows: the warp, or the smallest power of two ≥ the row length."""
+    return min(target.warp, 1 << max(0, n_red - 1).bit_length())
+
+
+def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """Reductions over rows, every reduction of the group in order in one kernel (softmax,
+    LayerNorm, RMSNorm stay one kernel; f16/bf16 accumulate in f32). Two mappings by row length:
+
+    * **short rows** (≤ ``SHORT_ROW`` = 1024 elements, ≤ 32 per lane): a warp per row — or, for
+      rows shorter than 32, a group of ``L`` lanes (the next power of two ≥ the row length) so
+      a warp holds ``32 / L`` rows instead of idling most lanes. Block ``(L, 256 / L)``: lanes on
+      ``tid.x`` (consecutive lanes read consecutive row elements), rows on ``tid.y``; 8 warps
+      a block, fewer rows a block (down to one warp) when that is needed to give all SMs a
+      block. Each lane strides over its row accumulating, one ``WarpReduce`` of width ``L``
+      per reduction gives every lane the result — no shared memory, no barrier. Rows past the
+      end are clamped to the last row (every lane takes part in the warp reductions, as the
+      shuffles require) and only their stores are skipped.
+    * **long rows**: a block of 256 threads per row. Each thread accumulates a strided partial,
+      a ``WarpReduce`` per warp, lane 0 of each warp writes its partial to shared memory,
+      ``Barrier``, the first warp combines the 8 partials (``WarpReduce`` of width 8 under
+      ``tid < 32``, a warp-uniform condition) and thread 0 writes the row result to shared
+      memory, ``Barrier``, every thread reads it (the broadcast). Each reduction has its own
+      shared slots, so the next one can start right after.
+
+    Then the row's outputs: row-shaped ones by one lane, full-shape ones cooperatively by all
+    the row's lanes. (Lanes stride over the reduced dims, so reductions over an inner axis are
+    coalesced; over an outer axis they are not — mapping lanes across rows there is future work.)
+    """
+    rs = _Rows(group)
+    e, params, _ = _setup(group, stored)
+    meta: dict = {}
+    shared: list[Buffer] = []
+    if rs.n_red <= SHORT_ROW:
+        lanes = _warp_width(rs.n_red, target)
+        per_warp = max(1, target.warp // lanes)  # rows a warp holds
+        max_rows = REDUCE_THREADS // lanes
+        want = -(-rs.rows // target.cores)  # rows per block that would give every SM a block
+        rows_per_block = min(max_rows, max(per_warp, -(-want // per_warp) * per_warp))
+        block = (lanes, rows_per_block, 1)
+        blocks = max(1, -(-rs.rows // rows_per_block))
+        meta = {"mapping": "warp-per-row", "lanes_per_row": lanes, "rows_per_block": rows_per_block}
+        if rs.rows:
+            lane = TID_X if lanes > 1 else c(0)
+            row = e.bind(iadd(imul(BID_X, rows_per_block), TID_Y if rows_per_block > 1 else c(0)), "row")
+            ragged = rs.rows % rows_per_block != 0
+            valid = _bool("lt", row, c(rs.rows)) if ragged else None
+            r = e.bind(imin(row, c(rs.rows - 1)), "r") if ragged else row
+
+            def warp_combine(k: int, acc: Var, fn: str, acc_t: DType) -> Expr:
+                if lanes == 1:
+                    return acc
+                res = e.var("red", acc_t)
+                e.emit(WarpReduce(res, fn, acc, lanes))
+                return res
+
+            row_idx = rs.row_index(r)
+            _reduce_row(e, rs, row_idx, lane, lanes, warp_combine)
+            _store_row(e, rs, row_idx, lane, lanes, valid)
+    else:
+        threads = REDUCE_THREADS
+        warps = threads // target.warp
+        block = (threads, 1, 1)
+        blocks = max(1, rs.rows)
+        meta = {"mapping": "block-per-row", "threads": threads}
+        if rs.rows:
+            lane_in_warp = e.bind(imod(TID_X, target.warp), "lane")
+            warp_id = e.bind(idiv(TID_X, target.warp), "warp")
+
+            def block_combine(k: int, acc: Var, fn: str, acc_t: DType) -> Expr:
+                buf = Buffer(f"red{k}", acc_t, warps + 1, "shared")  # [warps partials, row result]
+                shared.append(buf)
+                part = e.var("part", acc_t)
+                e.emit(WarpReduce(part, fn, acc, target.warp))
+                e.emit(If(_bool("eq", lane_in_warp, c(0)), (Store(buf.name, warp_id, part),)))
+                e.emit(Barrier())
+                total = e.var("total", acc_t)
+                mine = Load(buf.name, imin(TID_X, c(warps - 1)), acc_t)  # lanes ≥ warps: a copy, unused
+                e.emit(If(_bool("lt", TID_X, c(target.warp)), (
+                    WarpReduce(total, fn, mine, warps),
+                    If(_bool("eq", TID_X, c(0)), (Store(buf.name, c(warps), total),)),
+                )))
+                e.emit(Barrier())
+                return e.bind(Load(buf.name, c(warps), acc_t), "rowred")
+
+            row_idx = rs.row_index(BID_X)
+            _reduce_row(e, rs, row_idx, TID_X, threads, block_combine)
+            _store_row(e, rs, row_idx, TID_X, threads, None)
+    _check_shared(name, shared, target)
+    return Kernel(name, tuple(params), (blocks, 1, 1), block, tuple(e.stmts), shared=tuple(shared), meta=meta)
+
+
+# -- matmul ---------------------------------------------------------------------------------------------
+def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """C[b, i, j] = Σ_k A[b, i, k]·B[b, k, j], shared-memory tiled, epilogue fused into the store.
+
+    * A block of 16×16 threads owns a 64×64 tile of C: 256 threads, and each thread computes a
+      4×4 register micro-tile (a ``local`` array indexed by constants only after unrolling, so
+      it lives in registers): 16 accumulators a thread give 16 FMAs per 8 shared-memory loads.
+      The micro-tile is interleaved — thread ``(tx, ty)`` owns rows ``ty + 16·r`` and columns
+      ``tx + 16·s`` — so in the inner loop the 16 threads of a half-warp read 16 consecutive
+      words of the B tile (no bank conflicts) and a broadcast word of the A tile, and the
+      epilogue's stores are coalesced along the columns.
+    * The K loop steps by 16: the block cooperatively loads the 64×16 tile of A and the 16×64
+      tile of B into shared memory (4 elements of each per thread, consecutive threads on
+      consecutive elements of the tile's rows, so the global reads are coalesced for row-major
+      operands), with bounds guards that write zeros outside the matrices; ``Barrier``; 16
+      unrolled rank-1 updates of the micro-tile; ``Barrier`` (before the tiles are overwritten).
+      Shared memory: 2 × 64·16 accumulator-typed words = 8 KiB (f32), well within 48 KiB, so
+      several blocks fit on an SM.
+    * Half-precision inputs are converted when the tiles are loaded: tiles and accumulators are
+      f32, the result is rounded once in the epilogue (torch's semantics).
+    * The epilogue (bias, activation, residual, ...) runs per element of the micro-tile, under a
+      guard for tiles cut by the matrix edge.
+    * Grid: (column tiles, row tiles, batch) — the batch dims in grid z (folded into x beyond
+      CUDA's 65535 limit)."""
+    mm = group.anchor
+    a, b = mm.inputs
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    nb = math.prod(batch)
+    e, params, _ = _setup(group, stored)
+    acc_t = accum_dtype(mm.dtype)
+    zero = Const(0.0 if acc_t.is_float else 0, acc_t)
+    tm, tn, tk, nx, ny = MM_TILE_M, MM_TILE_N, MM_TILE_K, MM_THREADS_X, MM_THREADS_Y
+    rm, rn = MM_MICRO_M, MM_MICRO_N
+    threads = nx * ny
+    a_tile = Buffer("As", acc_t, tm * tk, "shared")
+    b_tile = Buffer("Bs", acc_t, tk * tn, "shared")
+    acc = Buffer("acc", acc_t, rm * rn, "local")
+    grid, (bn, bm, bz) = _grid(e, (-(-n // tn), -(-m // tm), nb))
+    meta = {"mapping": "tiled", "tile": (tm, tn, tk), "micro_tile": (rm, rn)}
+    if not mm.type.numel:
+        return Kernel(name, tuple(params), grid, (nx, ny, 1), (), meta=meta)
+    bidx = delinearize(bz, batch) if batch else ()
+    t = e.bind(iadd(imul(TID_Y, nx), TID_X), "t")
+    i0 = e.bind(imul(bm, tm), "i0")
+    j0 = e.bind(imul(bn, tn), "j0")
+
+    def as_acc(v: Expr) -> Expr:
+        return v if v.dtype == acc_t else Cast(v, acc_t)
+
+    def load_tile(buf: str, operand: Node, rows: int, cols: int, row0: Expr, col0: Expr,
+                  row_lim: int, col_lim: int) -> None:
+        """``buf[r, c] = operand[row0 + r, col0 + c]`` (0 outside), ``rows*cols/threads`` elements
+        a thread: thread ``t`` takes column ``t % cols`` of rows ``t // cols + p·threads/cols``."""
+        assert threads % cols == 0 and rows * cols % threads == 0
+        ct = e.bind(imod(t, cols), "tc")
+        rt = e.bind(idiv(t, cols), "tr")
+        gc = e.bind(iadd(col0, ct), "gc")
+        for p in range(rows * cols // threads):
+            r = iadd(rt, c(p * threads // cols))
+            gr = e.bind(iadd(row0, r), "gr")
+            slot = iadd(imul(r, cols), ct)
+            guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((gr, row_lim, rows), (gc, col_lim, cols))
+                          if lim % tile])
+
+            def load(gr: Expr = gr, slot: Expr = slot) -> None:
+                e.emit(Store(buf, slot, as_acc(e.value(operand, (*bidx, gr, gc)))))
+
+            _guarded(e, guard, load, lambda slot=slot: e.emit(Store(buf, slot, zero)))
+
+    _strided_loop(e, c(0), rm * rn, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+    a_rows = [e.bind(imul(iadd(TID_Y, c(ny * i)), tk), "ar") for i in range(rm)]  # As row offsets
+    b_cols = [e.bind(iadd(TID_X, c(nx * j)), "bc") for j in range(rn)]  # Bs columns
+
+    def k_tile(kt: Var) -> None:
+        k0 = e.bind(imul(kt, tk), "k0")
+        load_tile("As", a, tm, tk, i0, k0, m, k)
+        load_tile("Bs", b, tk, tn, k0, j0, k, n)
+        e.emit(Barrier())
+
+        def rank1(kk: Var) -> None:
+            av = [e.bind(Load("As", iadd(a_rows[i], kk), acc_t), "a") for i in range(rm)]
+            brow = e.bind(imul(kk, tn), "kb")
+            bv = [e.bind(Load("Bs", iadd(brow, b_cols[j]), acc_t), "b") for j in range(rn)]
+            for i in range(rm):
+                for j in range(rn):
+                    slot = c(i * rn + j)
+                    e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
+                                                     Binary("mul", av[i], bv[j], acc_t), acc_t)))
+
+        _strided_loop(e, c(0), tk, 1, rank1, "kk", unroll=True)
+        e.emit(Barrier())
+
+    _strided_loop(e, c(0), -(-k // tk), 1, k_tile, "kt")
+
+    def out_row(i: Var) -> None:
+        row = e.bind(iadd(iadd(i0, TID_Y), imul(i, ny)), "row")
+
+        def out_col(j: Var) -> None:
+            col = e.bind(iadd(iadd(j0, TID_X), imul(j, nx)), "col")
+            guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((row, m, tm), (col, n, tn)) if lim % tile])
+
+            def store() -> None:
+                value = Load("acc", iadd(imul(i, rn), j), acc_t)
+                e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
+                _store_epilogue(e, group, (*bidx, row, col))
+                e.regs.pop(id(mm))
+
+            _guarded(e, guard, store)
+
+        _strided_loop(e, c(0), rn, 1, out_col, "j", unroll=True)
+
+    _strided_loop(e, c(0), rm, 1, out_row, "i", unroll=True)
+    _check_shared(name, [a_tile, b_tile], target)
+    return Kernel(name, tuple(params), grid, (nx, ny, 1), tuple(e.stmts), shared=(a_tile, b_tile), local=(acc,),
+                  meta=meta)
+
+
+# -- convolution ----------------------------------------------------------------------------------------
+def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """Direct convolution, one thread per output element (the simplest correct mapping): thread
+    ``i = bid.x * 256 + tid.x`` computes output element ``i`` (consecutive threads on consecutive
+    output columns, so output stores and input reads along the width are coalesced; the weights
+    are the same for most threads of a warp, a broadcast), summing over its group's input
+    channels and the kernel window as ``conv_accumulate`` does for the CPU, then runs the fused
+    epilogue. 256 threads a block, guarded by ``if i < numel``.
+
+    Future work: implicit GEMM (the im2col view of the input as the A operand of the tiled
+    matmul mapping, staged through shared memory), which reuses each loaded input and weight
+    across a tile instead of re-reading them from L1/L2 per output."""
+    cv = group.anchor
+    e, params, _ = _setup(group, stored)
+    numel = cv.type.numel
+    acc_t = accum_dtype(cv.dtype)
+    threads = _threads_for(numel, target, CONV_THREADS)
+    blocks = max(1, -(-numel // threads))
+    if numel:
+        i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
+
+        def body() -> None:
+            oidx = delinearize(i, cv.shape)
+            acc = conv_accumulate(e, cv, oidx)
+            e.regs[id(cv)] = acc if acc_t == cv.dtype else e.bind(Cast(acc, cv.dtype))
+            _store_epilogue(e, group, oidx)
+            e.regs.pop(id(cv))
+
+        _guarded(e, _bool("lt", i, c(numel)) if numel % threads else None, body)
+    return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts),
+                  meta={"mapping": "thread-per-element"})
+
+
+GPU_MAPPINGS = {
+    "elementwise": gpu_elementwise_kernel,
+    "reduce": gpu_reduce_kernel,
+    "matmul": gpu_matmul_kernel,
+    "conv": gpu_conv_kernel,
+}
