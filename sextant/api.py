@@ -13,8 +13,8 @@ from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
 from sextant.runtime.compiled import CompiledModule
 
-TARGETS = ("reference", "cpu")
-PLANNED_TARGETS = ("cuda", "cuda-sim")
+TARGETS = ("reference", "cpu", "cuda-sim")
+PLANNED_TARGETS = ("cuda",)
 
 
 def compile(  # mirrors torch.compile
@@ -23,6 +23,7 @@ def compile(  # mirrors torch.compile
     kwargs: Mapping[str, Any] | None = None,
     *,
     target: str = "reference",
+    arch: str = "sm_90",
     pipeline: str | Sequence[str] = "default",
     print_after_all: bool = False,
     stream: TextIO = sys.stdout,
@@ -31,7 +32,9 @@ def compile(  # mirrors torch.compile
 
     ``target="reference"`` runs the optimised graph IR with the reference executor (the
     oracle every code-generating target is tested against); ``target="cpu"`` fuses it into
-    kernels, generates LLVM IR and runs the JIT-compiled machine code on all cores.
+    kernels, generates LLVM IR and runs the JIT-compiled machine code on all cores;
+    ``target="cuda-sim"`` compiles exactly as for an NVIDIA GPU of ``arch`` (GPU schedules, PTX
+    assembled by ptxas) and runs those same kernels on the CPU through the SIMT lowering.
     """
     if target not in TARGETS:
         if target in PLANNED_TARGETS:
@@ -46,7 +49,26 @@ def compile(  # mirrors torch.compile
     stages: dict[str, Any] = {"captured": captured}
     if target == "reference":
         return CompiledModule(graph, target, lambda xs: run_graph(graph, xs), stages=stages)
+    if target == "cuda-sim":
+        return _compile_cuda_sim(graph, stages, arch)
     return _compile_cpu(graph, stages)
+
+
+def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str) -> CompiledModule:
+    from sextant.codegen.llvm_cpu import compile_kernels
+    from sextant.codegen.llvm_nvptx import emit_ptx
+    from sextant.codegen.ptxas import assemble
+    from sextant.runtime.program_runner import ProgramRunner
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import sm90_target
+
+    program = schedule(graph, sm90_target())
+    kernels = list(program.kernels.values())
+    ptx = emit_ptx(kernels, arch=arch)
+    stages.update(program=program, ptx=ptx, ptxas=assemble(ptx.ptx, arch))
+    module = compile_kernels(kernels)
+    stages["cpu_module"] = module
+    return CompiledModule(graph, "cuda-sim", ProgramRunner(program, module.launch), stages=stages)
 
 
 def _compile_cpu(graph: Graph, stages: dict[str, Any]) -> CompiledModule:
