@@ -37,7 +37,7 @@ _BLOCK = re.compile(r"(<!-- sextant:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<
 class TinyBlock(nn.Module):
     """LayerNorm → Linear → GELU with a residual: small enough to read whole."""
 
-    def __init__(self, dim: int = 8) -> None:
+    def __init__(self, dim: int = 32) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, dim)
@@ -54,7 +54,7 @@ class Unsupported(nn.Module):
 
 def _tiny() -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
-    return TinyBlock().eval(), (torch.randn(2, 8),)
+    return TinyBlock().eval(), (torch.randn(6, 32),)
 
 
 def _relative(text: str) -> str:
