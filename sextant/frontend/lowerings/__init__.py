@@ -1,6 +1,6 @@
 """ATen → graph-IR lowerings, one module per op family. Importing this package fills the table."""
 
-from sextant.frontend.lowerings import elementwise, movement, nn, reductions  # noqa: F401
+from sextant.frontend.lowerings import elementwise, movement, nn, reductions, resample, scatter, strided  # noqa: F401
 from sextant.frontend.lowerings.registry import LOWERINGS, LoweringContext, Unsupported, lower
 
 __all__ = ["LOWERINGS", "LoweringContext", "Unsupported", "lower"]

@@ -276,6 +276,78 @@ def _nan_to_num(ctx: LoweringContext, x: Node, nan=None, posinf=None, neginf=Non
     return b.where(b.binary("eq", y, -math.inf), -big if neginf is None else neginf, y)
 
 
+@lower(aten.round.decimals)
+def _round_decimals(ctx: LoweringContext, x: Node, *, decimals: int = 0) -> Node:
+    """torch: nearbyint(x * 10^d) / 10^d, or nearbyint(x / 10^-d) * 10^-d for negative d."""
+    b = ctx.b
+    scale = float(10.0 ** abs(decimals))
+    if decimals >= 0:
+        return b.div(b.unary("round", b.mul(x, scale)), scale)
+    return b.mul(b.unary("round", b.div(x, scale)), scale)
+
+
+@lower(aten.elu.default)
+def _elu(ctx: LoweringContext, x: Node, alpha=1, scale=1, input_scale=1) -> Node:
+    b = ctx.b
+    neg = b.mul(b.unary("expm1", b.mul(x, float(input_scale))), float(alpha) * float(scale))
+    return b.where(b.binary("gt", x, 0), b.mul(x, float(scale)), neg)
+
+
+def _nan_ignoring(op: str):
+    """fmax/fmin: like maximum/minimum, but a NaN loses against a number."""
+
+    def fn(ctx: LoweringContext, a: Node, other: Node) -> Node:
+        b, out = ctx.b, ctx.out_dtype()
+        x, y = b.cast(a, out), b.cast(other, out)
+        m = b.binary(op, x, y)
+        if not out.is_float:
+            return m
+        x, y = b.broadcast(x, y)
+        return b.where(b.unary("isnan", x), y, b.where(b.unary("isnan", y), x, m))
+
+    return fn
+
+
+lower(aten.fmax.default)(_nan_ignoring("maximum"))
+lower(aten.fmin.default)(_nan_ignoring("minimum"))
+
+
+@lower(aten.ldexp.Tensor)
+def _ldexp(ctx: LoweringContext, x: Node, e: Node) -> Node:
+    out = ctx.out_dtype()
+    two = ctx.b.full(2.0, e.shape, out)
+    return ctx.b.mul(ctx.b.cast(x, out), ctx.b.binary("pow", two, ctx.b.cast(e, out)))
+
+
+def _sign_bit(ctx: LoweringContext, x: Node) -> Node:
+    """x < 0, counting -0.0 (1/x < 0) as negative."""
+    b = ctx.b
+    neg = b.binary("lt", x, 0)
+    if not x.dtype.is_float:
+        return neg
+    return b.binary("bitwise_or", neg, b.binary("lt", b.unary("reciprocal", x), 0.0))
+
+
+@lower(aten.signbit.default)
+def _signbit(ctx: LoweringContext, x: Node) -> Node:
+    return ctx.b.full(False, x.shape, DType.bool) if x.dtype == DType.bool else _sign_bit(ctx, x)
+
+
+@lower(aten.angle.default)
+def _angle(ctx: LoweringContext, x: Node) -> Node:
+    """Real inputs: pi for negatives, 0 otherwise, NaN stays NaN."""
+    b, out = ctx.b, ctx.out_dtype()
+    y = b.cast(x, out)
+    return b.where(b.unary("isnan", y), y, b.where(b.binary("lt", y, 0), math.pi, b.full(0.0, y.shape, out)))
+
+
+@lower(aten.polygamma.default)
+def _polygamma(ctx: LoweringContext, n: int, x: Node) -> Node:
+    if n != 0:
+        raise Unsupported("polygamma of order n > 0 (only order 0, digamma, has a primitive)")
+    return ctx.b.unary("digamma", ctx.b.cast(x, ctx.out_dtype()))
+
+
 # -- casts and identities ----------------------------------------------------------------------
 @lower(aten._to_copy.default)
 def _to_copy(ctx: LoweringContext, x: Node, **kwargs) -> Node:

@@ -15,12 +15,12 @@ def _norm(d: int, rank: int) -> int:
     return d % rank if rank else 0
 
 
-@lower(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@lower(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 def _view(ctx: LoweringContext, x: Node, shape) -> Node:
     return ctx.b.reshape(x, ctx.out_shape())
 
 
-@lower(aten.permute.default)
+@lower(aten.permute.default, aten.permute_copy.default)
 def _permute(ctx: LoweringContext, x: Node, perm) -> Node:
     return ctx.b.permute(x, perm)
 
@@ -63,7 +63,7 @@ def _select(ctx: LoweringContext, x: Node, dim: int, index: int) -> Node:
     return ctx.b.reshape(ctx.b.slice(x, dim, index, 1), ctx.out_shape())
 
 
-@lower(aten.narrow.default)
+@lower(aten.narrow.default, aten.narrow_copy.default)
 def _narrow(ctx: LoweringContext, x: Node, dim: int, start: int, length: int) -> Node:
     dim = _norm(dim, x.type.rank)
     return ctx.b.slice(x, dim, start % x.shape[dim] if start < 0 else start, length)
@@ -102,7 +102,7 @@ def _split(ctx: LoweringContext, x: Node, sizes, dim: int = 0) -> list[Node]:
     return outs
 
 
-@lower(aten.unbind.int)
+@lower(aten.unbind.int, aten.unbind_copy.int)
 def _unbind(ctx: LoweringContext, x: Node, dim: int = 0) -> list[Node]:
     dim = _norm(dim, x.type.rank)
     shape = x.shape[:dim] + x.shape[dim + 1:]

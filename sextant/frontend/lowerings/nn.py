@@ -43,6 +43,37 @@ def _addmm(ctx: LoweringContext, bias: Node, a: Node, m: Node, *, beta=1, alpha=
     return b.add(prod, _scaled(b, b.cast(bias, prod.dtype), beta))
 
 
+@lower(aten.addbmm.default)
+def _addbmm(ctx: LoweringContext, bias: Node, b1: Node, b2: Node, *, beta=1, alpha=1) -> Node:
+    """beta * bias + alpha * sum_i b1[i] @ b2[i], as one matmul over the concatenated batches."""
+    b = ctx.b
+    nb, n, m = b1.shape
+    a = b.reshape(b.permute(b1, (1, 0, 2)), (n, nb * m))
+    prod = _scaled(b, b.matmul(a, b.reshape(b2, (nb * m, b2.shape[2]))), alpha)
+    if beta == 0:
+        return b.broadcast_to(prod, ctx.out_shape())
+    return b.add(prod, _scaled(b, b.cast(bias, prod.dtype), beta))
+
+
+@lower(aten._trilinear.default)
+def _trilinear(ctx: LoweringContext, i1: Node, i2: Node, i3: Node, expand1, expand2, expand3, sumdim,
+               unroll_dim: int = 1) -> Node:
+    """sum over ``sumdim`` of i1 * i2 * i3, each first unsqueezed at its ``expand`` dims."""
+    b = ctx.b
+    rank = i1.type.rank + len(expand1)
+
+    def unsqueeze(x: Node, dims) -> Node:
+        shape = list(x.shape)
+        for d in sorted(dims):
+            shape.insert(d, 1)
+        return b.reshape(x, shape)
+
+    prod = b.mul(b.mul(unsqueeze(i1, expand1), unsqueeze(i2, expand2)), unsqueeze(i3, expand3))
+    if sumdim:
+        prod = b.reduce("sum", prod, [d % rank for d in sumdim])
+    return b.reshape(prod, ctx.out_shape())
+
+
 # -- convolution ---------------------------------------------------------------------------------
 def _per_dim(v, n: int) -> tuple[int, ...]:
     v = [v] if isinstance(v, int) else list(v)
@@ -52,18 +83,46 @@ def _per_dim(v, n: int) -> tuple[int, ...]:
 @lower(aten.convolution.default)
 def _convolution(ctx: LoweringContext, x: Node, w: Node, bias, stride, padding, dilation, transposed: bool,
                  output_padding, groups: int) -> Node:
-    if transposed:
-        raise Unsupported("transposed convolution")
     b = ctx.b
     batched = x.type.rank == w.type.rank
     if not batched:
         x = b.reshape(x, (1,) + x.shape)
     n = x.type.rank - 2
-    out = b.emit("conv", [x, w], stride=_per_dim(stride, n), padding=_per_dim(padding, n),
-                 dilation=_per_dim(dilation, n), groups=groups)
+    stride, padding, dilation = _per_dim(stride, n), _per_dim(padding, n), _per_dim(dilation, n)
+    if transposed:
+        out = _conv_transpose(b, x, w, stride, padding, dilation, _per_dim(output_padding, n), groups)
+    else:
+        out = b.emit("conv", [x, w], stride=stride, padding=padding, dilation=dilation, groups=groups)
     if bias is not None:
         out = b.add(out, b.reshape(b.cast(bias, out.dtype), (1, bias.shape[0]) + (1,) * n))
     return b.reshape(out, ctx.out_shape())
+
+
+def _conv_transpose(b: GraphBuilder, x: Node, w: Node, stride, padding, dilation, output_padding,
+                    groups: int) -> Node:
+    """Transposed conv = stride-1 conv of the zero-interleaved, padded input with the flipped kernel."""
+    n = x.type.rank - 2
+    for d in range(n):  # put stride-1 zeros between input elements
+        axis, size, s = 2 + d, x.shape[2 + d], stride[d]
+        if s > 1 and size > 0:
+            high = [0] * (x.type.rank + 1)
+            high[axis + 1] = s - 1
+            y = b.pad(b.reshape(x, x.shape[:axis + 1] + (1,) + x.shape[axis + 1:]), [0] * len(high), high)
+            y = b.reshape(y, x.shape[:axis] + (size * s,) + x.shape[axis + 1:])
+            x = b.slice(y, axis, 0, (size - 1) * s + 1)
+    k = w.shape[2:]
+    low = [0, 0] + [dilation[d] * (k[d] - 1) - padding[d] for d in range(n)]
+    high = [0, 0] + [low[2 + d] + output_padding[d] for d in range(n)]
+    x = b.pad(x, low, high, 0)
+    # weight [Cin, Cout/g, *k] -> [Cout, Cin/g, *k], spatially flipped
+    cin, cout_g = w.shape[:2]
+    wg = b.reshape(w, (groups, cin // groups, cout_g) + k)
+    wg = b.permute(wg, [0, 2, 1] + list(range(3, 3 + n)))
+    w = b.reshape(wg, (groups * cout_g, cin // groups) + k)
+    for d in range(n):
+        if k[d] > 1:
+            w = b.slice(w, 2 + d, k[d] - 1, k[d], -1)
+    return b.emit("conv", [x, w], stride=(1,) * n, padding=(0,) * n, dilation=tuple(dilation), groups=groups)
 
 
 # -- pooling: windows become strided slices of a padded input ------------------------------------
@@ -169,7 +228,7 @@ def _adaptive_matrix(b: GraphBuilder, n_in: int, n_out: int, dtype: DType) -> No
     return b.param(f"adaptive_pool.{n_in}to{n_out}.{len(b.params)}", m.to(dtype.torch))
 
 
-@lower(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool1d.default)
+@lower(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default, aten.adaptive_avg_pool1d.default)
 def _adaptive_avg_pool(ctx: LoweringContext, x: Node, output_size) -> Node:
     b = ctx.b
     output_size = _per_dim(output_size, 1)
@@ -196,6 +255,46 @@ def _adaptive_avg_pool(ctx: LoweringContext, x: Node, output_size) -> Node:
     return b.reshape(y, ctx.out_shape())
 
 
+def _adaptive_windows(n_in: int, n_out: int) -> torch.Tensor:
+    """[n_out, k] input positions of each adaptive window, short windows padded with their last position."""
+    bounds = [((i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)) for i in range(n_out)]
+    k = max(e - s for s, e in bounds)
+    return torch.tensor([[min(s + t, e - 1) for t in range(k)] for s, e in bounds], dtype=torch.int64)
+
+
+@lower(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def _adaptive_max_pool(ctx: LoweringContext, x: Node, output_size):
+    """Gather every window into a trailing axis, then max and (first max, or last NaN) argmax over it.
+
+    Repeating a short window's last element changes neither the max nor the flat index found.
+    """
+    b = ctx.b
+    nsp = len(output_size)
+    lead = x.type.rank - nsp
+    in_sp = x.shape[lead:]
+    flat = torch.zeros((), dtype=torch.int64)
+    y = x
+    for d in range(nsp):
+        win = _adaptive_windows(in_sp[d], output_size[d])  # [o_d, k_d]
+        y = b.take(y, lead + 2 * d, b.param(f"adaptive_pool.window.{len(b.params)}", win))
+        flat = flat.unsqueeze(-1).unsqueeze(-1) * in_sp[d] + win.reshape((1,) * (2 * d) + tuple(win.shape))
+    perm = list(range(lead)) + [lead + 2 * d for d in range(nsp)] + [lead + 2 * d + 1 for d in range(nsp)]
+    y = b.permute(y, perm)  # [..., o1, o2, (o3,) k1, k2, (k3)]
+    flat = flat.permute([2 * d for d in range(nsp)] + [2 * d + 1 for d in range(nsp)])
+    osz = tuple(output_size)
+    v = b.reshape(y, y.shape[:lead] + osz + (math.prod(y.shape[lead + nsp:]),))
+    k = v.shape[-1]
+    best = b.reduce("max", v, [-1])
+    pos = b.iota(v.shape, v.type.rank - 1)
+    first = b.reduce("min", b.where(b.binary("eq", v, b.expand(best, v.shape)), pos, k), [-1])
+    if v.dtype.is_float:
+        last_nan = b.reduce("max", b.where(b.unary("isnan", v), pos, -1), [-1])
+        first = b.where(b.binary("ge", last_nan, 0), last_nan, first)
+    table = b.param(f"adaptive_pool.index.{len(b.params)}", flat.reshape(osz + (k,)).contiguous())
+    index = b.gather(b.broadcast_to(table, v.shape), v.type.rank - 1, first)
+    return b.reshape(best, ctx.out_shape(0)), b.reshape(index, ctx.out_shape(1))
+
+
 # -- creation --------------------------------------------------------------------------------------
 @lower(aten.full.default, aten.full_like.default, aten.new_full.default)
 def _full(ctx: LoweringContext, *args, **kwargs) -> Node:
@@ -207,7 +306,7 @@ def _full(ctx: LoweringContext, *args, **kwargs) -> Node:
 
 @lower(aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.empty.memory_format,
        aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
-       aten.new_empty_strided.default)
+       aten.new_empty_strided.default, aten.empty_permuted.default)
 def _zeros(ctx: LoweringContext, *args, **kwargs) -> Node:
     return ctx.b.full(0, ctx.out_shape(), ctx.out_dtype())
 

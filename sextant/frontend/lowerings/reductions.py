@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch.ops import aten
 
 from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower, opmath
@@ -122,10 +123,11 @@ def _var_mean(ctx: LoweringContext, x: Node, dims=None, *, correction=None, keep
 
 
 def _scan(ctx: LoweringContext, x: Node, dim: int, fn: str) -> Node:
+    return prefix(ctx.b, ctx.b.cast(x, ctx.out_dtype()), dim, fn)
+
+
+def prefix(b: GraphBuilder, x: Node, dim: int, fn: str = "sum") -> Node:
     """Inclusive prefix sum/prod along ``dim`` as a masked reduction: y[i] = ⊕_{j<=i} x[j]."""
-    b = ctx.b
-    out = ctx.out_dtype()
-    x = b.cast(x, out)
     if x.type.rank == 0:
         return x
     dim %= x.type.rank
@@ -241,3 +243,85 @@ def _group_norm(ctx: LoweringContext, x: Node, weight, bias, n: int, c: int, hw:
         out = b.add(out, _channel(b, bias, x.type.rank, t))
     return (b.cast(out, x.dtype), b.reshape(b.cast(mean, ctx.out_dtype(1)), ctx.out_shape(1)),
             b.reshape(b.cast(rstd, ctx.out_dtype(2)), ctx.out_shape(2)))
+
+
+# -- norms ---------------------------------------------------------------------------------------
+def p_norm(b: GraphBuilder, x: Node, axes: Sequence[int], p: float) -> Node:
+    """The vector p-norm of ``x`` over ``axes`` (keepdim), as torch.linalg.vector_norm defines it."""
+    a = b.unary("abs", x)
+    if p == math.inf:
+        return b.reduce("max", a, axes)
+    if p == -math.inf:
+        return b.reduce("min", a, axes)
+    if p == 0:
+        return b.reduce("sum", b.cast(b.binary("ne", a, 0), a.dtype), axes)
+    if p == 1:
+        return b.reduce("sum", a, axes)
+    if p == 2:
+        return b.unary("sqrt", b.reduce("sum", b.mul(a, a), axes))
+    return b.binary("pow", b.reduce("sum", b.binary("pow", a, p), axes), 1.0 / p)
+
+
+@lower(aten.linalg_vector_norm.default)
+def _vector_norm(ctx: LoweringContext, x: Node, ord=2, dim=None, keepdim: bool = False, *, dtype=None) -> Node:
+    return _finish(ctx, p_norm(ctx.b, ctx.b.cast(x, ctx.out_dtype()), _axes(x, dim), float(ord)))
+
+
+@lower(aten.dist.default)
+def _dist(ctx: LoweringContext, a: Node, other: Node, p=2) -> Node:
+    d = ctx.b.sub(ctx.b.cast(a, ctx.out_dtype()), ctx.b.cast(other, ctx.out_dtype()))
+    return _finish(ctx, p_norm(ctx.b, d, range(d.type.rank), float(p)))
+
+
+@lower(aten._cdist_forward.default)
+def _cdist(ctx: LoweringContext, x1: Node, x2: Node, p: float, compute_mode=None) -> Node:
+    """Pairwise p-norm distances of the rows of ``x1`` [..., P, M] and ``x2`` [..., R, M]."""
+    b = ctx.b
+    a = b.reshape(x1, x1.shape[:-1] + (1, x1.shape[-1]))  # [..., P, 1, M]
+    c = b.reshape(x2, x2.shape[:-2] + (1,) + x2.shape[-2:])  # [..., 1, R, M]
+    d = b.sub(*b.broadcast(a, c))
+    return _finish(ctx, p_norm(b, d, [d.type.rank - 1], float(p)))
+
+
+@lower(aten._pdist_forward.default)
+def _pdist(ctx: LoweringContext, x: Node, p: float = 2.0) -> Node:
+    """Distances between rows i < j of ``x`` [N, M], in row-major pair order."""
+    b = ctx.b
+    n = x.shape[0]
+    if n < 2:
+        return b.full(0, ctx.out_shape(), ctx.out_dtype())
+    i, j = torch.triu_indices(n, n, 1)
+    rows = [b.take(x, 0, b.param(f"pdist.{k}.{len(b.params)}", t.contiguous())) for k, t in (("i", i), ("j", j))]
+    return _finish(ctx, p_norm(b, b.sub(*rows), [1], float(p)))
+
+
+# -- searching sorted sequences: the insertion point is a count ------------------------------------
+def _insertion_point(ctx: LoweringContext, seq: Node, values: Node, right: bool, sorter=None) -> Node:
+    """Count of ``seq`` elements before each value, as torch's binary search finds it (NaN sorts last)."""
+    b = ctx.b
+    if sorter is not None:
+        seq = b.gather(seq, seq.type.rank - 1, sorter)
+    dtype = ctx.promote(seq, values)
+    seq, values = b.cast(seq, dtype), b.cast(values, dtype)
+    if seq.type.rank == 1:  # one boundary list for every value
+        s = b.reshape(seq, (1,) * values.type.rank + seq.shape)
+        v = b.reshape(values, values.shape + (1,))
+    else:  # one sorted row per leading index: values [..., M] against seq [..., N]
+        s = b.reshape(seq, seq.shape[:-1] + (1, seq.shape[-1]))
+        v = b.reshape(values, values.shape + (1,))
+    s, v = b.broadcast(s, v)
+    before = b.unary("logical_not", b.binary("gt" if right else "ge", s, v))
+    count = b.reduce("sum", b.cast(before, DType.i64), [s.type.rank - 1], keepdim=False)
+    return b.cast(count, ctx.out_dtype())
+
+
+@lower(aten.searchsorted.Tensor)
+def _searchsorted(ctx: LoweringContext, seq: Node, values: Node, *, out_int32: bool = False, right: bool = False,
+                  side=None, sorter=None) -> Node:
+    return _insertion_point(ctx, seq, values, right or side == "right", sorter)
+
+
+@lower(aten.bucketize.Tensor)
+def _bucketize(ctx: LoweringContext, values: Node, boundaries: Node, *, out_int32: bool = False,
+               right: bool = False) -> Node:
+    return _insertion_point(ctx, boundaries, values, right)

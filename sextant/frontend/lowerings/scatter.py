@@ -1,0 +1,212 @@
+"""Lowerings of scatters (scatter, scatter_reduce, index_put, put, index_reduce) as one-hot reductions.
+
+There is no scatter primitive. Along the scattered dim, output position p combines every
+source element k whose index is p: the lowering compares the index with every position
+(a [P, K] match mask per row), masks the source values with ``where`` and reduces over K.
+That costs P·K per row instead of K — fine for the reference executor and small index sets
+(a KV-cache update writes one row); a scatter primitive would make it linear.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.ops import aten
+
+from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+
+_REDUCE_FN = {"sum": "sum", "mean": "sum", "prod": "prod", "amax": "max", "amin": "min"}
+_COMBINE = {"sum": "add", "prod": "mul", "amax": "maximum", "amin": "minimum"}
+
+
+def _identity(reduce: str, dtype: DType) -> int | float:
+    if reduce in ("sum", "mean"):
+        return 0
+    if reduce == "prod":
+        return 1
+    if dtype.is_float:
+        return -math.inf if reduce == "amax" else math.inf
+    info = torch.iinfo(dtype.torch)
+    return info.min if reduce == "amax" else info.max
+
+
+def _crop(b: GraphBuilder, x: Node, shape: tuple[int, ...], skip: int | None = None) -> Node:
+    """The leading ``shape`` corner of ``x`` (dim ``skip`` kept whole)."""
+    for d, n in enumerate(shape):
+        if d != skip:
+            x = b.slice(x, d, 0, n)
+    return x
+
+
+def _paste(b: GraphBuilder, x: Node, corner: Node) -> Node:
+    """``x`` with its leading corner replaced by ``corner``."""
+    if corner.shape == x.shape:
+        return corner
+    padded = b.pad(corner, [0] * x.type.rank, [n - c for n, c in zip(x.shape, corner.shape)], 0)
+    inside = None
+    for d, c in enumerate(corner.shape):
+        if c != x.shape[d]:
+            lt = b.binary("lt", b.iota(x.shape, d), c)
+            inside = lt if inside is None else b.binary("bitwise_and", inside, lt)
+    return b.where(inside, padded, x)
+
+
+def scatter_reduce(b: GraphBuilder, x: Node, dim: int, index: Node, src: Node, reduce: str,
+                   include_self: bool = True) -> Node:
+    """torch.scatter_reduce: ``x`` with ``src[k]`` combined into position ``index[k]`` along ``dim``.
+
+    ``reduce`` is "assign" (plain scatter: the last write wins), "sum", "prod", "amax", "amin" or "mean".
+    Only the leading ``index.shape`` corner of ``src`` takes part, as in torch.
+    """
+    if x.type.rank == 0:
+        one = (1,)
+        out = scatter_reduce(b, b.reshape(x, one), 0, b.reshape(index, one), b.reshape(src, one), reduce, include_self)
+        return b.reshape(out, ())
+    if index.type.numel == 0:
+        return x
+    if x.dtype == DType.bool and reduce != "assign":
+        raise Unsupported(f"scatter with reduce={reduce!r} on a bool tensor")
+    dim %= x.type.rank
+    ishape, n = index.shape, x.shape[dim]
+    region = _crop(b, x, ishape, skip=dim)  # [.., P, ..]
+    vals = b.cast(_crop(b, src, ishape), x.dtype)  # [.., K, ..]
+    k_axis = dim + 1
+    full = ishape[:dim] + (n,) + ishape[dim:]  # [.., P, K, ..]
+    lift = ishape[:dim] + (1,) + ishape[dim:]
+    match = b.binary("eq", b.expand(b.reshape(b.cast(index, DType.i64), lift), full), b.iota(full, dim))
+    v = b.expand(b.reshape(vals, lift), full)
+    hit = b.reshape(b.reduce("max", match, [k_axis]), region.shape)
+    if reduce == "assign":
+        last = b.reduce("max", b.where(match, b.iota(full, k_axis), -1), [k_axis])
+        new = b.reshape(b.gather(v, k_axis, b.maximum(last, 0)), region.shape)
+    else:
+        agg = b.reshape(b.reduce(_REDUCE_FN[reduce], b.where(match, v, _identity(reduce, x.dtype)), [k_axis]),
+                        region.shape)
+        if reduce == "mean":
+            count = b.reshape(b.reduce("sum", b.cast(match, x.dtype), [k_axis]), region.shape)
+            if include_self:
+                agg, count = b.add(agg, region), b.add(count, 1)
+            new = b.binary("div" if x.dtype.is_float else "floordiv", agg, b.maximum(count, 1))
+        else:
+            new = b.binary(_COMBINE[reduce], region, agg) if include_self else agg
+    return _paste(b, x, b.where(hit, new, region))
+
+
+def _wrap(b: GraphBuilder, idx: Node, n: int) -> Node:
+    idx = b.cast(idx, DType.i64)
+    return b.where(b.binary("lt", idx, 0), b.add(idx, n), idx)
+
+
+def _source(ctx: LoweringContext, src, index: Node, x: Node) -> Node:
+    return src if isinstance(src, Node) else ctx.b.full(src, index.shape, x.dtype)
+
+
+@lower(aten.scatter.src, aten.scatter.value)
+def _scatter(ctx: LoweringContext, x: Node, dim: int, index: Node, src) -> Node:
+    return scatter_reduce(ctx.b, x, dim, index, _source(ctx, src, index, x), "assign")
+
+
+@lower(aten.scatter.reduce, aten.scatter.value_reduce)
+def _scatter_legacy(ctx: LoweringContext, x: Node, dim: int, index: Node, src, *, reduce: str) -> Node:
+    op = {"add": "sum", "multiply": "prod"}[reduce]
+    return scatter_reduce(ctx.b, x, dim, index, _source(ctx, src, index, x), op)
+
+
+@lower(aten.scatter_add.default)
+def _scatter_add(ctx: LoweringContext, x: Node, dim: int, index: Node, src: Node) -> Node:
+    return scatter_reduce(ctx.b, x, dim, index, src, "sum")
+
+
+@lower(aten.scatter_reduce.two)
+def _scatter_reduce(ctx: LoweringContext, x: Node, dim: int, index: Node, src: Node, reduce: str, *,
+                    include_self: bool = True) -> Node:
+    return scatter_reduce(ctx.b, x, dim, index, src, reduce, include_self)
+
+
+@lower(aten.index_reduce.default)
+def _index_reduce(ctx: LoweringContext, x: Node, dim: int, index: Node, source: Node, reduce: str, *,
+                  include_self: bool = True) -> Node:
+    b = ctx.b
+    if x.type.rank == 0:
+        return scatter_reduce(b, x, 0, index, source, reduce, include_self)
+    dim %= x.type.rank
+    shape = tuple(index.type.numel if d == dim else 1 for d in range(x.type.rank))
+    lifted = b.reshape(_wrap(b, index, x.shape[dim]), shape)
+    return scatter_reduce(b, x, dim, b.expand(lifted, source.shape), source, reduce, include_self)
+
+
+@lower(aten.put.default)
+def _put(ctx: LoweringContext, x: Node, index: Node, source: Node, accumulate: bool = False) -> Node:
+    b = ctx.b
+    n, k = x.type.numel, index.type.numel
+    lin = _wrap(b, b.reshape(index, (k,)), n)
+    out = scatter_reduce(b, b.reshape(x, (n,)), 0, lin, b.reshape(source, (k,)), "sum" if accumulate else "assign")
+    return b.reshape(out, x.shape)
+
+
+@lower(aten.index_put.default, aten._unsafe_index_put.default)
+def _index_put(ctx: LoweringContext, x: Node, indices, values: Node, accumulate: bool = False) -> Node:
+    """``x[indices] = values`` (or ``+=``): linearise the indexed dims, then scatter along them."""
+    b = ctx.b
+    rank = x.type.rank
+    pos = [d for d, ix in enumerate(indices) if ix is not None]
+    if any(indices[d].dtype == DType.bool for d in pos):
+        return _mask_put(ctx, x, pos, indices, values, accumulate)
+    idx = b.broadcast(*(indices[d] for d in pos))
+    bshape, nb = idx[0].shape, idx[0].type.rank
+    rest = [d for d in range(rank) if d not in pos]
+    rest_shape = tuple(x.shape[d] for d in rest)
+    sizes = [x.shape[d] for d in pos]
+    k = math.prod(bshape)
+    if k == 0 or x.type.numel == 0:
+        return x
+    linear, stride = None, 1
+    for d, ix in reversed(list(zip(pos, idx))):
+        term = b.mul(_wrap(b, ix, x.shape[d]), stride)
+        linear = term if linear is None else b.add(linear, term)
+        stride *= x.shape[d]
+    # values as laid out by x[indices]: the index dims replace the indexed dims if those are adjacent
+    if pos == list(range(pos[0], pos[-1] + 1)) and pos[0] > 0:
+        res = x.shape[:pos[0]] + bshape + x.shape[pos[-1] + 1:]
+        v = b.permute(b.broadcast_to(values, res), list(range(pos[0], pos[0] + nb)) + list(range(pos[0]))
+                      + list(range(pos[0] + nb, len(res))))
+    else:
+        v = b.broadcast_to(values, bshape + rest_shape)
+    v = b.reshape(b.cast(v, x.dtype), (k,) + rest_shape)
+    ind = b.expand(b.reshape(linear, (k,) + (1,) * len(rest)), (k,) + rest_shape)
+    flat = b.reshape(b.permute(x, pos + rest), (math.prod(sizes),) + rest_shape)
+    out = scatter_reduce(b, flat, 0, ind, v, "sum" if accumulate else "assign")
+    out = b.reshape(out, tuple(sizes) + rest_shape)
+    perm = pos + rest
+    return b.permute(out, [perm.index(d) for d in range(rank)])
+
+
+def _mask_put(ctx: LoweringContext, x: Node, pos: list[int], indices, values: Node, accumulate: bool) -> Node:
+    """``x[mask] = values`` where one value (row) is broadcast to every selected element: a ``where``."""
+    b = ctx.b
+    if len(pos) != 1:
+        raise Unsupported("index_put with a boolean mask combined with other indices")
+    d0, mask = pos[0], indices[pos[0]]
+    mr, rank = mask.type.rank, x.type.rank
+    vshape = (1,) * (rank - mr + 1 - values.type.rank) + values.shape  # as x[mask]: [before, N_true, after]
+    if vshape[d0] != 1:
+        raise Unsupported("index_put with a boolean mask and one value per selected element (data-dependent)")
+    v = b.broadcast_to(b.reshape(b.cast(values, x.dtype), vshape[:d0] + (1,) * mr + vshape[d0 + 1:]), x.shape)
+    m = b.broadcast_to(b.reshape(mask, (1,) * d0 + mask.shape + (1,) * (rank - d0 - mr)), x.shape)
+    return b.where(m, b.add(x, v) if accumulate else v, x)
+
+
+@lower(aten.max_pool2d_with_indices_backward.default)
+def _max_pool2d_backward(ctx: LoweringContext, grad: Node, x: Node, kernel, stride, padding, dilation,
+                         ceil_mode: bool, indices: Node) -> Node:
+    """Each output's gradient goes to the input element its max came from (a scatter-add per plane)."""
+    b = ctx.b
+    lead, plane = x.shape[:-2], x.shape[-2] * x.shape[-1]
+    k = grad.shape[-2] * grad.shape[-1]
+    zeros = b.full(0, lead + (plane,), grad.dtype)
+    out = scatter_reduce(b, zeros, len(lead), b.reshape(indices, lead + (k,)), b.reshape(grad, lead + (k,)), "sum")
+    return b.reshape(out, x.shape)
