@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from sextant.frontend.lowerings import LOWERINGS
+from sextant.tools import opinfo_check as check
 from sextant.tools import opinfo_coverage as oc
 
 SUPPORTED = Path(oc.__file__).with_name("opinfo_supported.txt").read_text().split()
@@ -39,26 +40,29 @@ def one_thread() -> Iterator[None]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_opinfo_op(name: str, one_thread: None) -> None:
-    r = oc.run_op(name, time_cap=math.inf)
+    r = check.run_op(name, time_cap=math.inf)
     problems = "; ".join(sorted({str(f) for f in r.failures})[:3])
     assert r.ok, f"{name}: {r.passed}/{r.tried} float32 samples pass ({r.status}) {problems}"
 
 
 def test_supported_list_is_sorted_known_and_large() -> None:
     assert sorted(set(SUPPORTED)) == SUPPORTED
-    assert not set(SUPPORTED) - set(oc.op_table())
+    assert not set(SUPPORTED) - set(check.op_table())
     assert len(SUPPORTED) >= 100
 
 
 def test_broken_lowering_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(LOWERINGS, torch.ops.aten.neg.default, lambda ctx, x: x)
-    r = oc.run_op("neg")
-    assert not r.ok and r.failures[0].kind == oc.WRONG
+    """Samples are compiled as one batch; a wrong lowering still fails each sample it breaks."""
+    sub = LOWERINGS[torch.ops.aten.sub.Tensor]
+    monkeypatch.setitem(LOWERINGS, torch.ops.aten.sub.Tensor, lambda ctx, a, b, **kw: sub(ctx, b, a, **kw))
+    r = check.run_op("sub")
+    assert r.tried > 1 and not r.ok
+    assert r.failures and all(f.kind == check.WRONG for f in r.failures)
 
 
 def test_unsupported_op_is_named() -> None:
-    r = oc.run_op("sort", max_samples=1)
-    assert not r.ok and r.failures[0].kind == oc.UNSUPPORTED and "aten.sort" in r.failures[0].detail
+    r = check.run_op("sort", max_samples=2)
+    assert not r.ok and r.failures[0].kind == check.UNSUPPORTED and "aten.sort" in r.failures[0].detail
     assert oc.reason_group(r) == "needs a sort primitive"
 
 
