@@ -21,9 +21,11 @@ Executor = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 class CompiledModule:
     """Behaves like the compiled ``nn.Module`` for inputs of the example shapes and dtypes."""
 
-    def __init__(self, graph: Graph, target: str, executor: Executor, *, stages: dict[str, Any] | None = None):
+    def __init__(self, graph: Graph, target: str, executor: Executor, *, stages: dict[str, Any] | None = None,
+                 device: str = "cpu"):
         self.graph = graph
         self.target = target
+        self.device = device  # torch device type the inputs must be on (and the outputs are returned on)
         self._executor = executor
         self.stages = stages or {}  # per-stage artifacts (e.g. the graph after each pass), for inspection
 
@@ -73,9 +75,9 @@ class CompiledModule:
                 raise InputError(f"argument {leaf.name!r}: expected shape {list(node.shape)}, got {list(value.shape)}")
             if value.dtype != node.dtype.torch:
                 raise InputError(f"argument {leaf.name!r}: expected dtype {node.dtype.torch}, got {value.dtype}")
-            if value.device.type != "cpu":
-                raise InputError(f"argument {leaf.name!r}: target {self.target!r} takes CPU tensors, "
-                                 f"got a tensor on {value.device}")
+            if value.device.type != self.device:
+                raise InputError(f"argument {leaf.name!r}: target {self.target!r} takes {self.device.upper()} "
+                                 f"tensors, got a tensor on {value.device}")
             tensors[leaf.input_index] = value
         return tensors
 
