@@ -1,0 +1,141 @@
+"""What each kernel launch must do, independent of how well it does it: FLOPs and minimum bytes.
+
+These are the two numbers a roofline needs (:mod:`sextant.report.roofline`). They count the
+*algorithm* a launch implements, not the instructions the schedule happens to emit, so they
+stay comparable across schedules and targets.
+
+What counts as a FLOP (per element of the op's result unless said otherwise):
+
+- ``matmul``: 2·M·N·K (a multiply and an add per term of every dot product, batch included);
+- ``conv``: 2·N·C_out·(spatial out)·(C_in/groups)·(kernel volume);
+- ``reduce``: one combine per input element folded in, i.e. ``numel(in) - numel(out)``;
+- unary and binary math, comparisons and ``where``: 1 each — ``exp``/``tanh``/``erf``… too,
+  though the GPU spends several instructions on them (these, and ``pow``, are also tallied
+  apart as *transcendentals*);
+- ``cast``, movement ops (reshape, permute, expand, slice, pad, concat, gather), ``full`` and
+  ``iota``: 0 — they are index arithmetic or data movement, not math.
+
+Minimum bytes: every buffer the launch reads is read once and every buffer it writes is
+written once. A buffer reached only through ``slice`` or as the source of ``gather`` counts
+just the elements those ops select (an embedding lookup reads its rows, not the table).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.graph.ops import BINARY, MOVEMENT, UNARY, UNARY_FLOAT
+from sextant.schedule.program import Launch, Program
+
+FREE_OPS = MOVEMENT | {"cast", "full", "iota", "input", "param"}
+_SELECTING = ("slice", "gather")  # ops that may read only part of their (first) operand
+_SAME_ELEMENTS = ("reshape", "permute")  # one-to-one re-indexing: needs flow through unchanged
+
+
+@dataclass(frozen=True)
+class LaunchCost:
+    """FLOPs and minimum memory traffic of one kernel launch."""
+
+    launch: int  # index into Program.launches
+    kernel: str
+    kind: str  # the fused group's kind: "elementwise" | "reduce" | "matmul" | "conv"
+    dtype: DType  # element type of the group's anchor: selects the compute peak
+    flops: int
+    transcendentals: int  # of ``flops``, those that are exp/log/tanh/erf/... (special-function units)
+    bytes_read: int
+    bytes_written: int
+    blocks: int
+    flops_by_op: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per byte of minimum traffic."""
+        return self.flops / self.bytes if self.bytes else math.inf
+
+
+def node_flops(n: Node) -> int:
+    """FLOPs of one graph node, by the rules in this module's docstring."""
+    if n.op == "matmul":
+        return 2 * n.type.numel * n.inputs[0].shape[-1]
+    if n.op == "conv":
+        w = n.inputs[1].shape  # [C_out, C_in/groups, *kernel]
+        return 2 * n.type.numel * math.prod(w[1:])
+    if n.op == "reduce":
+        return n.inputs[0].type.numel - n.type.numel
+    if n.op in UNARY or n.op in BINARY or n.op == "where":
+        return n.type.numel
+    if n.op in FREE_OPS:
+        return 0
+    raise ValueError(f"cost model: no FLOP rule for op {n.op!r}")
+
+
+def computed_nodes(program: Program, launch: Launch) -> list[Node]:
+    """The graph nodes a launch evaluates: its group's members and every inlined node between
+    them and the buffers it reads, in graph order."""
+    group = program.groups[launch.group]
+    reads = {id(program.buffers[b].node) for b in launch.args[: len(launch.args) - len(group.outputs)]}
+    seen: set[int] = set()
+    stack = [*group.members, *group.outputs]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or id(n) in reads:
+            continue
+        seen.add(id(n))
+        stack.extend(n.inputs)
+    return [n for n in program.graph.nodes if id(n) in seen]
+
+
+def _needed_elements(v: Node, users: dict[int, list[Node]]) -> int:
+    """How many elements of ``v`` the launch must read, given how its users (inside the launch) index it."""
+    total = 0
+    for u in users.get(id(v), []):
+        if u.op in _SELECTING and u.inputs[0] is v and not (u.op == "gather" and u.inputs[1] is v):
+            total += min(u.type.numel, _needed_elements(u, users) or u.type.numel)
+        elif u.op in _SAME_ELEMENTS or u.op == "expand":
+            total += _needed_elements(u, users) or u.type.numel
+        else:
+            return v.type.numel
+        if total >= v.type.numel:
+            return v.type.numel
+    return total
+
+
+def launch_cost(program: Program, index: int) -> LaunchCost:
+    launch = program.launches[index]
+    group = program.groups[launch.group]
+    nodes = computed_nodes(program, launch)
+    inside = {id(n) for n in nodes}
+    users: dict[int, list[Node]] = {}
+    for n in nodes:
+        for i in n.inputs:
+            users.setdefault(id(i), []).append(n)
+    by_op: dict[str, int] = {}
+    transcendentals = 0
+    for n in nodes:
+        f = node_flops(n)
+        if f:
+            by_op[n.op] = by_op.get(n.op, 0) + f
+            if n.op in UNARY_FLOAT or n.op == "pow":
+                transcendentals += f
+    n_out = len(group.outputs)
+    bytes_read = 0
+    for b in dict.fromkeys(launch.args[: len(launch.args) - n_out]):  # a buffer passed twice is read once
+        node = program.buffers[b].node
+        if id(node) in inside:
+            continue
+        bytes_read += _needed_elements(node, users) * node.dtype.itemsize
+    bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(launch.args[len(launch.args) - n_out:]))
+    return LaunchCost(index, launch.kernel, group.kind, group.anchor.dtype, sum(by_op.values()), transcendentals,
+                      bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])))
+
+
+def program_costs(program: Program) -> list[LaunchCost]:
+    """The cost of every launch of ``program``, in launch order."""
+    return [launch_cost(program, i) for i in range(len(program.launches))]
