@@ -1,0 +1,143 @@
+"""Resolve the command line's MODEL argument into ``(module, args, kwargs)``.
+
+MODEL is either a built-in example (``mlp``, ``cnn``, ...) or ``FILE.py:FACTORY`` (also
+``package.module:FACTORY``): a function taking no arguments that returns ``(module, args)`` or
+``(module, args, kwargs)``. Every way this can go wrong gets its own message naming the cause,
+because a wrong path or a factory returning the wrong thing is the most common first mistake.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from sextant.cli.errors import CliError, ExitCode
+from sextant.examples import EXAMPLES
+
+
+@dataclass
+class LoadedModel:
+    """What MODEL resolved to."""
+
+    name: str  # as given on the command line
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def _usage(message: str, hint: str) -> CliError:
+    return CliError(message, hint, ExitCode.USAGE)
+
+
+def _examples() -> str:
+    return ", ".join(sorted(EXAMPLES))
+
+
+def _load_file(path: Path) -> ModuleType:
+    """Import a user's .py file under a private name, with its folder importable (for its own imports)."""
+    name = f"_sextant_user_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise _usage(f"cannot import {path}: not a Python source file", "MODEL is FILE.py:FACTORY")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise _usage(f"importing {path} failed: {type(e).__name__}: {e}",
+                     "fix the file (run it with python to see the traceback, or add --verbose)") from e
+    finally:
+        if sys.path and sys.path[0] == folder:
+            sys.path.pop(0)
+    return module
+
+
+def _load_source(source: str) -> ModuleType:
+    path = Path(source)
+    if source.endswith(".py") or path.exists():
+        if not path.is_file():
+            raise _usage(f"model file {source!r} does not exist" if not path.exists() else f"{source!r} is not a file",
+                         "MODEL is FILE.py:FACTORY, with FILE.py relative to the current directory")
+        return _load_file(path)
+    try:
+        return importlib.import_module(source)
+    except ImportError as e:
+        raise _usage(f"cannot import module {source!r}: {e}",
+                     f"MODEL is FILE.py:FACTORY or package.module:FACTORY (built-in examples: {_examples()})") from e
+
+
+def _factory(spec: str) -> Callable[[], Any]:
+    source, _, attr = spec.rpartition(":")
+    if not source or not attr:
+        raise _usage(f"MODEL {spec!r} names no factory function",
+                     "write FILE.py:FACTORY, where FACTORY() returns (module, example_args)")
+    module = _load_source(source)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise _usage(f"{source} has no function {attr!r}",
+                     f"functions defined there: {', '.join(found)}" if found else "define FACTORY() in that file")
+    if not callable(fn):
+        raise _usage(f"{source}:{attr} is a {type(fn).__name__}, not a function",
+                     "FACTORY must be a function returning (module, example_args)")
+    return fn
+
+
+def _check(spec: str, value: Any) -> LoadedModel:
+    what = f"{spec}() returned"
+    shape_hint = "return (module, example_args) or (module, example_args, example_kwargs)"
+    if not isinstance(value, tuple) or len(value) not in (2, 3):
+        got = f"a tuple of {len(value)}" if isinstance(value, tuple) else f"a {type(value).__name__}"
+        raise _usage(f"{what} {got}, not (module, example_args)", shape_hint)
+    module, args = value[0], value[1]
+    kwargs = value[2] if len(value) == 3 else {}
+    if not isinstance(module, torch.nn.Module):
+        raise _usage(f"{what} a {type(module).__name__} where an nn.Module was expected", shape_hint)
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    elif isinstance(args, list):
+        args = tuple(args)
+    if not isinstance(args, tuple):
+        raise _usage(f"{what} example_args of type {type(args).__name__}; expected a tuple of inputs", shape_hint)
+    if not isinstance(kwargs, Mapping):
+        raise _usage(f"{what} example_kwargs of type {type(kwargs).__name__}; expected a dict", shape_hint)
+    return LoadedModel(spec, module, args, dict(kwargs))
+
+
+def load_model(spec: str) -> LoadedModel:
+    """The module and example inputs MODEL names; raises :class:`CliError` (usage) naming what is wrong."""
+    if spec in EXAMPLES:
+        fn: Callable[[], Any] = EXAMPLES[spec]
+    elif ":" in spec:
+        fn = _factory(spec)
+    elif spec.endswith(".py") or Path(spec).exists():
+        raise _usage(f"MODEL {spec!r} names a file but no factory function",
+                     f"write {spec}:FACTORY, where FACTORY() returns (module, example_args)")
+    else:
+        raise _usage(f"unknown model {spec!r}", f"use a built-in example ({_examples()}) or FILE.py:FACTORY")
+    try:
+        value = fn()
+    except ImportError as e:  # e.g. an example needing an optional package
+        raise CliError(f"{spec}: {e}", "install the missing package", ExitCode.ENVIRONMENT) from e
+    except CliError:
+        raise
+    except Exception as e:
+        raise _usage(f"calling {spec}() raised {type(e).__name__}: {e}",
+                     "fix the factory (add --verbose for the traceback)") from e
+    return _check(spec, value)

@@ -1,0 +1,66 @@
+"""SASS (the GPU's machine code) from the cubin ptxas wrote, via NVIDIA's disassemblers.
+
+``nvdisasm`` or ``cuobjdump`` come with the CUDA toolkit, or from PyPI (``nvidia-cuda-nvdisasm``,
+5 MB), which the ``dev`` extra installs. They need no GPU. When neither is found, SASS is skipped
+with a note saying why, not an error: it is an extra view, not something compilation needs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_TOOLKIT_DIRS = ("/usr/local/cuda/bin",)
+_WHEEL_DIRS = ("cu13/bin", "cu12/bin", "cuda_nvdisasm/bin", "cuda_cuobjdump/bin")
+TOOLS = ("nvdisasm", "cuobjdump")
+TIMEOUT_S = 120
+MISSING = ("neither nvdisasm nor cuobjdump was found on PATH, in $CUDA_HOME/bin or in the nvidia-cuda-nvdisasm "
+           "wheel (pip install nvidia-cuda-nvdisasm)")
+
+
+def find_disassembler() -> Path | None:
+    """nvdisasm (preferred: its output has one section per kernel) or cuobjdump, wherever installed."""
+    dirs = [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        if found:
+            return Path(found)
+        candidates = [Path(d) / tool for d in (*dirs, *_TOOLKIT_DIRS)]
+        candidates += [Path(r) / w / tool for r in roots for w in _WHEEL_DIRS]
+        for p in candidates:
+            if p.is_file() and os.access(p, os.X_OK):
+                return p
+    return None
+
+
+def disassemble(cubin: bytes, tool: Path) -> str:
+    """The whole cubin's SASS; raises RuntimeError with the tool's message if it fails."""
+    with tempfile.TemporaryDirectory(prefix="sextant-sass-") as tmp:
+        path = Path(tmp) / "module.cubin"
+        path.write_bytes(cubin)
+        cmd = [str(tool), "-c", str(path)] if tool.name.startswith("nvdisasm") else [str(tool), "-sass", str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool.name} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout
+
+
+def split_sass(text: str, names: list[str]) -> dict[str, str]:
+    """Each kernel's part of a disassembly: nvdisasm's ``.text.NAME`` sections, or cuobjdump's
+    ``Function : NAME`` blocks."""
+    starts: list[tuple[int, str]] = []  # every section header ends the previous kernel's part
+    for m in re.finditer(r"^//-{5,} (\S+)\s+-{5,}$|^\s*Function : (\S+)$", text, re.M):
+        section = m.group(1)
+        starts.append((m.start(), section.removeprefix(".text.") if section else m.group(2)))
+    parts: dict[str, str] = {}
+    for i, (pos, name) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
+        parts[name] = text[pos:end].rstrip() + "\n"
+    return {n: parts[n] for n in names if n in parts}
