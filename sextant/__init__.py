@@ -2,11 +2,16 @@
 
     compiled = sextant.compile(model, (x,))   # capture → graph IR → passes → target
     compiled(x)                               # behaves like model(x)
+    compiled.save("out/"); sextant.load("out/")  # ahead-of-time artifact, no pickle
 """
 
 from sextant.api import compile
-from sextant.errors import ExportError, InputError, SextantError, UnsupportedOpError
+from sextant.errors import ArtifactError, ExportError, InputError, SextantError, UnsupportedOpError
 from sextant.frontend.capture import capture
+from sextant.runtime.artifact import load
 from sextant.runtime.compiled import CompiledModule
 
-__all__ = ["CompiledModule", "ExportError", "InputError", "SextantError", "UnsupportedOpError", "capture", "compile"]
+__all__ = [
+    "ArtifactError", "CompiledModule", "ExportError", "InputError", "SextantError", "UnsupportedOpError", "capture",
+    "compile", "load",
+]

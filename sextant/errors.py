@@ -47,3 +47,7 @@ class ExportError(SextantError):
 
 class InputError(SextantError, ValueError):
     """A compiled module was called with arguments that do not match the example inputs."""
+
+
+class ArtifactError(SextantError, ValueError):
+    """A saved artifact directory cannot be written, or is missing, corrupted or mismatched when loaded."""

@@ -6,7 +6,9 @@ was compiled for, and rebuilds the module's output structure (tuples, dicts, Mod
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +43,13 @@ class CompiledModule:
         liveness) plus outputs; inputs and weights excluded. None for the reference target."""
         program = self.stages.get("program")
         return None if program is None else program.peak_bytes
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write this module to the directory ``path`` (kernels, PTX/cubin, manifest, safetensors weights;
+        no pickle) for :func:`sextant.load`; see :mod:`sextant.runtime.artifact`."""
+        from sextant.runtime.artifact import save
+
+        return save(self, path)
 
     def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Validate a call and return the tensors for the graph inputs, in order."""
