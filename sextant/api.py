@@ -13,8 +13,8 @@ from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
 from sextant.runtime.compiled import CompiledModule
 
-TARGETS = ("reference", "cpu", "cuda-sim")
-PLANNED_TARGETS = ("cuda",)
+TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
+PLANNED_TARGETS: tuple[str, ...] = ()
 
 
 def compile(  # mirrors torch.compile
@@ -23,7 +23,7 @@ def compile(  # mirrors torch.compile
     kwargs: Mapping[str, Any] | None = None,
     *,
     target: str = "reference",
-    arch: str = "sm_90",
+    arch: str | None = None,
     pipeline: str | Sequence[str] = "default",
     print_after_all: bool = False,
     stream: TextIO = sys.stdout,
@@ -34,7 +34,9 @@ def compile(  # mirrors torch.compile
     oracle every code-generating target is tested against); ``target="cpu"`` fuses it into
     kernels, generates LLVM IR and runs the JIT-compiled machine code on all cores;
     ``target="cuda-sim"`` compiles exactly as for an NVIDIA GPU of ``arch`` (GPU schedules, PTX
-    assembled by ptxas) and runs those same kernels on the CPU through the SIMT lowering.
+    assembled by ptxas) and runs those same kernels on the CPU through the SIMT lowering;
+    ``target="cuda"`` runs them on the current CUDA device, taking and returning torch CUDA tensors.
+    ``arch`` defaults to sm_90 for cuda-sim and to the device's compute capability for cuda.
     """
     if target not in TARGETS:
         if target in PLANNED_TARGETS:
@@ -42,6 +44,10 @@ def compile(  # mirrors torch.compile
         raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
     if not isinstance(args, tuple):
         args = (args,)
+    if target == "cuda":  # fail before the slow stages when there is no GPU or no cuda-python
+        from sextant.runtime.cuda import require_cuda
+
+        require_cuda()
     from sextant.graph.passes import run_pipeline
 
     captured = capture(module, args, kwargs)
@@ -50,7 +56,9 @@ def compile(  # mirrors torch.compile
     if target == "reference":
         return CompiledModule(graph, target, lambda xs: run_graph(graph, xs), stages=stages)
     if target == "cuda-sim":
-        return _compile_cuda_sim(graph, stages, arch)
+        return _compile_cuda_sim(graph, stages, arch or "sm_90")
+    if target == "cuda":
+        return _compile_cuda(graph, stages, arch)
     return _compile_cpu(graph, stages)
 
 
@@ -69,6 +77,31 @@ def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str) -> Compil
     module = compile_kernels(kernels)
     stages["cpu_module"] = module
     return CompiledModule(graph, "cuda-sim", ProgramRunner(program, module.launch), stages=stages)
+
+
+def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None) -> CompiledModule:
+    """As cuda-sim up to the PTX; then ptxas's cubin is loaded when ptxas is installed (else the
+    driver JIT-compiles the PTX) and the kernels run on the GPU (see sextant/runtime/cuda.py)."""
+    from sextant.codegen.llvm_nvptx import emit_ptx
+    from sextant.codegen.ptxas import PtxasError, assemble
+    from sextant.runtime.cuda import CudaRunner, device_arch, require_cuda
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import sm90_target
+
+    device = require_cuda()
+    arch = arch or device_arch(device)
+    program = schedule(graph, sm90_target())
+    ptx = emit_ptx(list(program.kernels.values()), arch=arch)
+    stages.update(program=program, ptx=ptx)
+    cubin = None  # without ptxas (or one too old for this GPU) the driver JIT-compiles the PTX
+    try:
+        stages["ptxas"] = assemble(ptx.ptx, arch)
+        cubin = stages["ptxas"].cubin
+    except PtxasError as e:
+        stages["ptxas_error"] = str(e)
+    runner = CudaRunner(program, ptx=ptx.ptx, cubin=cubin, arch=arch, device=device)
+    stages["runner"] = runner
+    return CompiledModule(graph, "cuda", runner, stages=stages, device="cuda")
 
 
 def _compile_cpu(graph: Graph, stages: dict[str, Any]) -> CompiledModule:

@@ -1,0 +1,324 @@
+"""target="cuda": running a scheduled :class:`Program`'s PTX kernels on an NVIDIA GPU.
+
+Through NVIDIA's cuda-python driver bindings (``cuda.bindings.driver``), not a C extension: the
+driver API is all a runtime of precompiled kernels needs (load a module, launch, graphs), and
+cuda-python installs from PyPI without a compiler or a GPU. Decisions, and why:
+
+* **torch owns memory and streams.** Constants are uploaded once (at construction) into torch
+  CUDA tensors, the intermediate arena is one ``torch.empty`` per module, and outputs are new torch
+  tensors each call. Inputs are used in place (their ``data_ptr`` goes straight into the kernel
+  parameters: no copy, unless a view is non-contiguous or not 16-byte aligned, which the PTX's
+  vector accesses require). Launches go to torch's current stream, in the device's primary
+  context (the one torch uses), so they are ordered with the caller's torch work and torch's
+  caching allocator's stream semantics hold for every tensor involved.
+* **cubin if we have one, else PTX.** The caller passes ptxas's cubin when it was assembled for
+  this device's architecture; otherwise the driver JIT-compiles the PTX at load time.
+* **An explicit CUDA graph, not stream capture.** The launch sequence is built once, on the
+  first call, as a graph of kernel nodes whose edges come from buffer hazards (see
+  :mod:`sextant.runtime.cuda_graph`), so independent launches may overlap; replay is one
+  ``cuGraphLaunch``. Building the graph ourselves keeps each node's handle, which is what lets a
+  later call with different input/output tensors update just the nodes that take them
+  (``cuGraphExecKernelNodeSetParams``), instead of copying inputs into static buffers (as
+  ``torch.cuda.graphs`` does) or re-instantiating. It also avoids stream capture's refusal of
+  the legacy default stream, which is torch's current stream unless the caller picks another.
+* ``use_graph=False`` (or ``SEXTANT_CUDA_GRAPHS=0``) launches kernel by kernel with
+  ``cuLaunchKernel``; ``SEXTANT_CUDA_SYNC=1`` additionally synchronises after every launch, so an
+  asynchronous fault (an illegal address, say) is reported with the kernel that caused it.
+
+Calls are serialised on the host (one lock: the arena, the parameter blocks and the graph are
+per module). A call on a different stream than the previous one first makes its stream wait for
+the previous one, because both use the same arena.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from sextant.errors import SextantError
+from sextant.runtime.cuda_graph import PER_CALL_KINDS, LaunchSpec, ParamBlock, plan
+from sextant.schedule.program import Program
+
+ALIGN = 16  # bytes; every kernel parameter must be this aligned (the PTX uses 128-bit accesses)
+SIM_HINT = "target='cuda-sim' runs the same GPU kernels on the CPU"
+
+
+class CudaUnavailableError(SextantError, RuntimeError):
+    """target='cuda' cannot run here: no GPU, or no cuda-python."""
+
+
+class CudaError(SextantError, RuntimeError):
+    """A CUDA driver call failed; the message names the CUresult and what was being done."""
+
+
+def load_driver() -> ModuleType:
+    """cuda-python's driver bindings (``cuda.bindings.driver``; ``cuda.cuda`` before cuda-python 12.6)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # type: ignore[no-redef]
+        except ImportError as e:
+            raise CudaUnavailableError("target='cuda' needs NVIDIA's cuda-python driver bindings, which are not "
+                                       "installed (pip install 'sextant[cuda]' or cuda-python); "
+                                       f"{SIM_HINT}") from e
+    return driver
+
+
+def require_cuda(device: torch.device | str | None = None) -> torch.device:
+    """The CUDA device to run on; raises :class:`CudaUnavailableError` (one line, naming what is
+    missing) when torch sees no GPU or cuda-python is missing."""
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise CudaUnavailableError(f"target='cuda' needs an NVIDIA GPU, but torch.cuda.is_available() is False "
+                                   f"(torch {torch.__version__}, {built}); {SIM_HINT}")
+    load_driver()
+    dev = torch.device(device if device is not None else "cuda")
+    if dev.type != "cuda":
+        raise CudaUnavailableError(f"target='cuda' runs on a CUDA device, not {dev}")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def device_arch(device: torch.device) -> str:
+    """``sm_XY`` from the device's compute capability (sm_90 on H100/H200)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+class Driver:
+    """Calls into the driver bindings, turning a non-success ``CUresult`` into :class:`CudaError`."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.m = module
+        self._success = module.CUresult.CUDA_SUCCESS
+
+    def __call__(self, fn: str, *args: Any, what: str = "") -> Any:
+        result = getattr(self.m, fn)(*args)
+        err, rest = result[0], result[1:]
+        if err != self._success:
+            doing = f" while {what}" if what else ""
+            raise CudaError(f"{fn} failed with {self.error_name(err)}{doing}")
+        return rest[0] if len(rest) == 1 else rest
+
+    def error_name(self, err: Any) -> str:
+        try:
+            status, name = self.m.cuGetErrorName(err)
+            if status == self._success and name:
+                return name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # the name is a courtesy; never mask the original failure
+            pass
+        return getattr(err, "name", None) or str(err)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+class CudaRunner:
+    """Runs ``program``'s kernels on a GPU: ``runner(inputs) -> outputs``, torch CUDA tensors in and out.
+
+    ``ptx`` and/or ``cubin`` hold the program's kernels (the cubin, when given, must be for this
+    device's ``arch``; else the PTX is JIT-compiled by the driver). ``driver`` replaces
+    ``cuda.bindings.driver`` (tests pass a fake); ``device`` defaults to torch's current CUDA device.
+    """
+
+    def __init__(self, program: Program, *, ptx: str | None = None, cubin: bytes | None = None,
+                 arch: str | None = None, device: torch.device | str | None = None,
+                 use_graph: bool | None = None, sync_each_launch: bool | None = None,
+                 driver: ModuleType | None = None) -> None:
+        if ptx is None and cubin is None:
+            raise ValueError("CudaRunner needs the program's PTX or a cubin")
+        self.program = program
+        self.plan = plan(program)
+        self.arch = arch
+        self.device = torch.device(device) if device is not None else require_cuda()
+        self.use_graph = _env_flag("SEXTANT_CUDA_GRAPHS", True) if use_graph is None else use_graph
+        self.sync_each_launch = (_env_flag("SEXTANT_CUDA_SYNC", False) if sync_each_launch is None
+                                 else sync_each_launch)
+        self._drv = Driver(driver if driver is not None else load_driver())
+        self._lock = threading.Lock()
+        self._context = self._primary_context()
+        self.image = "cubin" if cubin is not None else "ptx"  # what was loaded
+        self.cubin_error: str | None = None
+        self._module = self._load(ptx, cubin)
+        self._functions = {name: self._drv("cuModuleGetFunction", self._module, name.encode(),
+                                           what=f"looking up kernel {name} in the loaded module")
+                           for name in program.kernels}
+        # device memory: weights once, one arena for the intermediates
+        self.constants = {i: t.detach().contiguous().to(self.device) for i, t in program.constants.items()}
+        self.arena = torch.empty(max(program.arena_bytes, 1), dtype=torch.uint8, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # uploads done before any stream uses them
+        self._fixed = self._fixed_addresses()
+        self._blocks = [ParamBlock([self._fixed.get(b, 0) for b in s.args]) for s in self.plan.launches]
+        self._bound: dict[int, int] = {}  # per-call buffer -> address its parameter slots hold now
+        self._graph: Any = None
+        self._exec: Any = None
+        self._nodes: list[Any] = []
+        self._last_stream: torch.cuda.Stream | None = None
+        self.stats = {"calls": 0, "graph_builds": 0, "node_updates": 0, "kernel_launches": 0}
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _primary_context(self) -> Any:
+        d = self._drv
+        d("cuInit", 0, what="initialising the CUDA driver")
+        dev = d("cuDeviceGet", self.device.index or 0, what=f"opening device {self.device}")
+        ctx = d("cuDevicePrimaryCtxRetain", dev, what=f"retaining the primary context of {self.device}")
+        d("cuCtxSetCurrent", ctx, what="making the primary context current")
+        return ctx
+
+    def _load(self, ptx: str | None, cubin: bytes | None) -> Any:
+        if cubin is not None:
+            try:
+                return self._drv("cuModuleLoadData", cubin, what=f"loading the cubin for {self.arch}")
+            except CudaError as e:
+                if ptx is None:
+                    raise
+                self.cubin_error = str(e)  # e.g. a ptxas newer than the driver: let the driver compile the PTX
+                self.image = "ptx"
+        assert ptx is not None
+        return self._drv("cuModuleLoadData", ptx.encode() + b"\0",
+                         what=f"loading PTX for {self.arch} (JIT-compiled by the driver; run ptxas on "
+                              "compiled.stages['ptx'].ptx for its diagnostics)")
+
+    def _fixed_addresses(self) -> dict[int, int]:
+        """Device addresses of the buffers that never move: weights and arena temporaries."""
+        base = self.arena.data_ptr()
+        out = {i: t.data_ptr() for i, t in self.constants.items()}
+        for b in self.program.buffers:
+            if b.kind == "temp":
+                out[b.index] = base + b.offset
+        for i, a in out.items():
+            if a % ALIGN:
+                raise CudaError(f"buffer {i} ({self.program.buffers[i].kind}) is at {a:#x}, not {ALIGN}-byte aligned")
+        return out
+
+    # -- a call ---------------------------------------------------------------------------------
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        p = self.program
+        with self._lock:
+            self._drv("cuCtxSetCurrent", self._context, what="making the primary context current")
+            stream = self._stream()
+            tensors: dict[int, torch.Tensor] = dict(self.constants)
+            for b, x in zip(p.buffers, inputs):  # inputs come first, in graph order
+                tensors[b.index] = self._as_input(b.index, x)
+            for b in p.buffers:
+                if b.kind == "output":
+                    tensors[b.index] = torch.empty(b.node.shape, dtype=b.node.dtype.torch, device=self.device)
+            addresses = {b.index: tensors[b.index].data_ptr() for b in p.buffers if b.kind in PER_CALL_KINDS}
+            if self.use_graph and self.plan.launches:
+                self._run_graph(addresses, stream)
+            else:
+                self._run_launches(addresses, stream)
+            self.stats["calls"] += 1
+        # an output that is an input or a weight is returned as a copy, as the module would
+        return [tensors[i] if p.buffers[i].kind == "output" else tensors[i].clone() for i in p.outputs]
+
+    def _stream(self) -> int:
+        """torch's current stream (a raw ``cudaStream_t``), ordered after the previous call's stream."""
+        if self.device.type != "cuda":  # a fake driver in tests: the launches run synchronously
+            return 0
+        s = torch.cuda.current_stream(self.device)
+        if self._last_stream is not None and self._last_stream.cuda_stream != s.cuda_stream:
+            s.wait_stream(self._last_stream)  # the arena is shared with the previous call's launches
+        self._last_stream = s
+        return s.cuda_stream
+
+    def _as_input(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if x.device != self.device:
+            raise CudaError(f"input {index} is on {x.device}; this module runs on {self.device}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if x.data_ptr() % ALIGN:  # a view at an odd offset: the kernels' vector loads need alignment
+            x = x.clone()
+        return x
+
+    def _rebind(self, addresses: dict[int, int]) -> list[int]:
+        """Write the new per-call addresses into the parameter blocks; the launches that changed."""
+        changed = [b for b, a in addresses.items() if self._bound.get(b) != a]
+        for b in changed:
+            for li, slot in self.plan.bindings.get(b, ()):
+                self._blocks[li].set(slot, addresses[b])
+            self._bound[b] = addresses[b]
+        return self.plan.affected(changed)
+
+    def _run_launches(self, addresses: dict[int, int], stream: int) -> None:
+        self._rebind(addresses)
+        d, handle = self._drv, self._stream_handle(stream)
+        for s, block in zip(self.plan.launches, self._blocks):
+            d("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, 0, handle, block.address, 0,
+              what=_describe(s))
+            self.stats["kernel_launches"] += 1
+            if self.sync_each_launch:
+                d("cuStreamSynchronize", handle, what=f"running {_describe(s)}")
+
+    def _run_graph(self, addresses: dict[int, int], stream: int) -> None:
+        affected = self._rebind(addresses)
+        d = self._drv
+        if self._exec is None:
+            self._build_graph()
+        else:
+            for li in affected:
+                s = self.plan.launches[li]
+                d("cuGraphExecKernelNodeSetParams", self._exec, self._nodes[li], self._node_params(s),
+                  what=f"updating the graph node of {_describe(s)} with this call's tensors")
+                self.stats["node_updates"] += 1
+        handle = self._stream_handle(stream)
+        d("cuGraphLaunch", self._exec, handle, what=f"launching the CUDA graph of {len(self._nodes)} kernels")
+        if self.sync_each_launch:
+            d("cuStreamSynchronize", handle, what=f"running the CUDA graph of {len(self._nodes)} kernels")
+
+    def _build_graph(self) -> None:
+        d = self._drv
+        self._graph = d("cuGraphCreate", 0, what="creating a CUDA graph")
+        self._nodes = []
+        for s, deps in zip(self.plan.launches, self.plan.deps):
+            parents = [self._nodes[j] for j in deps]
+            self._nodes.append(d("cuGraphAddKernelNode", self._graph, parents, len(parents), self._node_params(s),
+                                 what=f"adding {_describe(s)} to the CUDA graph"))
+        self._exec = d("cuGraphInstantiate", self._graph, 0, what="instantiating the CUDA graph")
+        self.stats["graph_builds"] += 1
+
+    def _node_params(self, s: LaunchSpec) -> Any:
+        p = self._drv.m.CUDA_KERNEL_NODE_PARAMS()
+        p.func = self._functions[s.kernel]
+        p.gridDimX, p.gridDimY, p.gridDimZ = s.grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = s.block
+        p.sharedMemBytes = 0  # shared memory is static, declared in the PTX
+        p.kernelParams = self._blocks[s.index].address
+        return p
+
+    def _stream_handle(self, stream: int) -> Any:
+        return self._drv.m.CUstream(stream)
+
+    # -- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the graph and unload the module (also done when the runner is garbage-collected)."""
+        d = getattr(self, "_drv", None)
+        if d is None:
+            return
+        for fn, attr in (("cuGraphExecDestroy", "_exec"), ("cuGraphDestroy", "_graph"), ("cuModuleUnload", "_module")):
+            handle = getattr(self, attr, None)
+            if handle is not None:
+                setattr(self, attr, None)
+                with contextlib.suppress(Exception):  # at interpreter exit the driver may already be gone
+                    getattr(d.m, fn)(handle)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "CUDA graph" if self.use_graph else "kernel by kernel"
+        return (f"CudaRunner({len(self.plan.launches)} launches of {len(self.program.kernels)} kernels, "
+                f"{self.image} for {self.arch}, {mode}, on {self.device})")
+
+
+def _describe(s: LaunchSpec) -> str:
+    return f"kernel {s.kernel} (launch {s.index}, grid {s.grid}, block {s.block})"

@@ -1,0 +1,310 @@
+"""target="cuda" without a GPU: the CUDA runtime driven through a fake ``cuda.bindings.driver``.
+
+The fake keeps the driver's semantics that matter to the runtime: kernel parameters are copied
+when a launch is enqueued or a graph node is added/updated (so a forgotten update runs with stale
+pointers), an instantiated graph keeps its own copy of each node, and a graph launch may run its
+nodes in any order its edges allow (here a random one). Each "launch" runs the same kernels'
+CPU build (the SIMT lowering cuda-sim uses) on the memory at the raw addresses it was given, so
+whole runs are checked against eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import sextant
+from sextant.codegen.llvm_cpu import compile_kernels
+from sextant.codegen.llvm_nvptx import emit_ptx
+from sextant.examples import EXAMPLES
+from sextant.frontend.capture import capture
+from sextant.graph.ir import Graph
+from sextant.graph.passes import run_pipeline
+from sextant.runtime.compiled import CompiledModule
+from sextant.runtime.cpu import CpuModule
+from sextant.runtime.cuda import CudaError, CudaRunner, CudaUnavailableError, require_cuda
+from sextant.runtime.cuda_graph import ParamBlock, plan, topological_orders_ok
+from sextant.schedule.program import Program, schedule
+from sextant.schedule.target import sm90_target
+
+cuda_driver = pytest.importorskip("cuda.bindings.driver", reason="no cuda-python (pip install cuda-python)",
+                                  exc_type=ImportError)
+OK = cuda_driver.CUresult.CUDA_SUCCESS
+
+
+@dataclass
+class FakeNode:
+    func: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    values: list[int]  # the parameter values, copied as the driver does
+    deps: list[int] = field(default_factory=list)
+
+
+class FakeDriver:
+    """Records every call; runs launches and graph replays with the CPU build of the kernels."""
+
+    CUresult = cuda_driver.CUresult
+    CUDA_KERNEL_NODE_PARAMS = cuda_driver.CUDA_KERNEL_NODE_PARAMS
+    CUstream = cuda_driver.CUstream
+
+    def __init__(self, program: Program, cpu: CpuModule, seed: int = 0, fail: dict[str, object] | None = None) -> None:
+        self.program = program
+        self.cpu = cpu
+        self.names: dict[int, str] = {}
+        self.calls: list[str] = []
+        self.executed: list[tuple[str, list[int]]] = []  # (kernel, parameter values) in execution order
+        self.images: list[bytes] = []
+        self.rng = random.Random(seed)
+        self.fail = fail or {}  # function name -> CUresult to return instead of running it
+
+    def _call(self, name: str) -> object | None:
+        self.calls.append(name)
+        return self.fail.get(name)
+
+    def cuGetErrorName(self, err: object) -> tuple:
+        return OK, err.name.encode()
+
+    def cuInit(self, flags: int) -> tuple:
+        return (self._call("cuInit") or OK,)
+
+    def cuDeviceGet(self, ordinal: int) -> tuple:
+        return self._call("cuDeviceGet") or OK, ordinal
+
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple:
+        return self._call("cuDevicePrimaryCtxRetain") or OK, "primary-context"
+
+    def cuCtxSetCurrent(self, ctx: object) -> tuple:
+        assert ctx == "primary-context"
+        return (self._call("cuCtxSetCurrent") or OK,)
+
+    def cuModuleLoadData(self, image: bytes) -> tuple:
+        err = self._call("cuModuleLoadData")
+        self.images.append(bytes(image))
+        if isinstance(err, list):  # fail the first N loads
+            return (err.pop(0), None) if err else (OK, "module")
+        return err or OK, "module"
+
+    def cuModuleGetFunction(self, module: object, name: bytes) -> tuple:
+        handle = len(self.names) + 1
+        self.names[handle] = name.decode()
+        return self._call("cuModuleGetFunction") or OK, cuda_driver.CUfunction(handle)
+
+    def cuLaunchKernel(self, f: object, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
+                       stream: object, params: int, extra: int) -> tuple:
+        err = self._call("cuLaunchKernel")
+        if err:
+            return (err,)
+        assert shared == 0 and extra == 0 and isinstance(stream, cuda_driver.CUstream)
+        name = self.names[int(f)]
+        self._run(FakeNode(int(f), (gx, gy, gz), (bx, by, bz), self._read_params(name, params)))
+        return (OK,)
+
+    def cuGraphCreate(self, flags: int) -> tuple:
+        return self._call("cuGraphCreate") or OK, []
+
+    def cuGraphAddKernelNode(self, graph: list, deps: list, ndeps: int, p: object) -> tuple:
+        assert ndeps == len(deps) and len(set(deps)) == len(deps)
+        node = self._node(p)
+        node.deps = list(deps)
+        graph.append(node)
+        return self._call("cuGraphAddKernelNode") or OK, len(graph) - 1
+
+    def cuGraphInstantiate(self, graph: list, flags: int) -> tuple:
+        exec_ = [FakeNode(n.func, n.grid, n.block, list(n.values), list(n.deps)) for n in graph]
+        return self._call("cuGraphInstantiate") or OK, exec_
+
+    def cuGraphExecKernelNodeSetParams(self, exec_: list, node: int, p: object) -> tuple:
+        new = self._node(p)
+        new.deps = exec_[node].deps
+        exec_[node] = new
+        return (self._call("cuGraphExecKernelNodeSetParams") or OK,)
+
+    def cuGraphLaunch(self, exec_: list, stream: object) -> tuple:
+        err = self._call("cuGraphLaunch")
+        if err:
+            return (err,)
+        done: set[int] = set()
+        while len(done) < len(exec_):  # any order the edges allow
+            ready = [i for i, n in enumerate(exec_) if i not in done and all(d in done for d in n.deps)]
+            i = self.rng.choice(ready)
+            self._run(exec_[i])
+            done.add(i)
+        return (OK,)
+
+    def cuStreamSynchronize(self, stream: object) -> tuple:
+        return (self._call("cuStreamSynchronize") or OK,)
+
+    def cuGraphExecDestroy(self, h: object) -> tuple:
+        return (OK,)
+
+    def cuGraphDestroy(self, h: object) -> tuple:
+        return (OK,)
+
+    def cuModuleUnload(self, h: object) -> tuple:
+        return (OK,)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _node(self, p: object) -> FakeNode:
+        assert p.sharedMemBytes == 0
+        name = self.names[int(p.func)]
+        return FakeNode(int(p.func), (p.gridDimX, p.gridDimY, p.gridDimZ), (p.blockDimX, p.blockDimY, p.blockDimZ),
+                        self._read_params(name, p.kernelParams))
+
+    def _read_params(self, name: str, address: int) -> list[int]:
+        n = len(self.program.kernels[name].params)
+        slots = (ctypes.c_void_p * n).from_address(address)
+        return [ctypes.c_void_p.from_address(slots[k]).value or 0 for k in range(n)]
+
+    def _run(self, node: FakeNode) -> None:
+        name = self.names[node.func]
+        kernel = self.program.kernels[name]
+        assert node.grid == kernel.grid and node.block == kernel.block, f"{name}: launched with the wrong shape"
+        tensors = []
+        for p, address in zip(kernel.params, node.values):
+            nbytes = p.size * p.dtype.itemsize
+            assert address and address % 16 == 0, f"{name}: parameter {p.name} at {address:#x}"
+            raw = (ctypes.c_uint8 * nbytes).from_address(address)
+            tensors.append(torch.frombuffer(raw, dtype=torch.uint8).view(p.dtype.torch))
+        self.cpu.launch(name, tensors)
+        self.executed.append((name, list(node.values)))
+
+
+@functools.cache
+def _compiled(name: str) -> tuple[torch.nn.Module, tuple, Graph, Program, str, CpuModule]:
+    """An example's GPU program, its PTX and the CPU build of its kernels (compiled once per module)."""
+    model, args = EXAMPLES[name]()
+    graph = run_pipeline(capture(model, args))
+    program = schedule(graph, sm90_target())
+    kernels = list(program.kernels.values())
+    return model, args, graph, program, emit_ptx(kernels, arch="sm_90").ptx, compile_kernels(kernels)
+
+
+def _build(name: str, fail: dict[str, object] | None = None, **kwargs: object
+           ) -> tuple[torch.nn.Module, tuple, CompiledModule, CudaRunner, FakeDriver]:
+    model, args, graph, program, ptx, cpu = _compiled(name)
+    fake = FakeDriver(program, cpu, fail=fail)
+    runner = CudaRunner(program, ptx=ptx, arch="sm_90", device="cpu", driver=fake, **kwargs)
+    return model, args, CompiledModule(graph, "cuda", runner, device="cpu"), runner, fake
+
+
+@pytest.mark.parametrize("use_graph", [True, False])
+@pytest.mark.parametrize("name", ["mlp", "transformer-block"])
+def test_fake_gpu_run_matches_eager_across_calls(name: str, use_graph: bool) -> None:
+    model, args, compiled, runner, fake = _build(name, use_graph=use_graph)
+    assert fake.images and fake.images[0].endswith(b"\0") and b".entry" in fake.images[0]  # NUL-terminated PTX
+    kept = []
+    for _ in range(3):  # fresh tensors each call: the graph's input/output nodes must be updated
+        fresh = tuple(torch.randn_like(a) for a in args)
+        with torch.no_grad():
+            expected = model(*fresh)
+        got = compiled(*fresh)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-5)
+        kept.append((fresh, got))
+    n = len(runner.plan.launches)
+    if use_graph:
+        assert runner.stats["graph_builds"] == 1 and fake.calls.count("cuGraphLaunch") == 3
+        assert fake.calls.count("cuLaunchKernel") == 0 and fake.calls.count("cuGraphAddKernelNode") == n
+    else:
+        assert fake.calls.count("cuLaunchKernel") == 3 * n and "cuGraphCreate" not in fake.calls
+
+
+def test_graph_updates_only_nodes_taking_new_tensors() -> None:
+    model, args, compiled, runner, _ = _build("transformer-block")
+    x = torch.randn_like(args[0])
+    first = compiled(x)
+    assert runner.stats["node_updates"] == 0
+    second = compiled(x)  # same input; a new output tensor (the first is still alive)
+    out_buffers = [b.index for b in runner.program.buffers if b.kind == "output"]
+    in_buffers = [b.index for b in runner.program.buffers if b.kind == "input"]
+    touched_out = runner.plan.affected(out_buffers)
+    assert runner.stats["node_updates"] == len(touched_out) < len(runner.plan.launches)
+    y = torch.randn_like(x)
+    third = compiled(y)
+    assert runner.stats["node_updates"] == len(touched_out) + len(runner.plan.affected(out_buffers + in_buffers))
+    with torch.no_grad():
+        torch.testing.assert_close(first, second)
+        torch.testing.assert_close(third, model(y), rtol=1e-4, atol=2e-5)
+
+
+def test_inputs_are_used_in_place_and_misaligned_views_copied() -> None:
+    model, args, compiled, runner, fake = _build("mlp", use_graph=False)
+    x = torch.randn_like(args[0])
+    compiled(x)
+    first_kernel_args = fake.executed[0][1]
+    assert x.data_ptr() in first_kernel_args  # zero copy: the kernel read the caller's memory
+    big = torch.randn(x.numel() + 1)
+    view = big[1:].view(x.shape)  # contiguous but 4 bytes off alignment
+    assert view.data_ptr() % 16
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(view), model(view), rtol=1e-4, atol=2e-5)
+    assert view.data_ptr() not in fake.executed[-len(runner.plan.launches)][1]
+
+
+def test_launch_dag_respects_every_hazard() -> None:
+    _, _, _, runner, _ = _build("transformer-block")
+    program, p = runner.program, runner.plan
+    reach = [0] * len(p.launches)  # bitset of ancestors through the reduced edges
+    for i, deps in enumerate(p.deps):
+        for j in deps:
+            reach[i] |= reach[j] | 1 << j
+    from sextant.runtime.cuda_graph import _overlap
+
+    for i, a in enumerate(p.launches):
+        for j in range(i):
+            b = p.launches[j]
+            hazard = _overlap(program, b.writes, a.reads | a.writes) or _overlap(program, b.reads, a.writes)
+            if hazard:
+                assert reach[i] >> j & 1, f"launch {i} may run before launch {j}"
+    assert topological_orders_ok(list(range(len(p.launches))), p.deps)
+    assert not topological_orders_ok(list(reversed(range(len(p.launches)))), p.deps)
+    assert all(len(set(d)) == len(d) for d in p.deps)
+
+
+def test_plan_rejects_a_mismatched_launch() -> None:
+    import dataclasses
+
+    _, _, _, runner, _ = _build("mlp")
+    program = runner.program
+    bad = dataclasses.replace(program.launches[0], args=program.launches[0].args[:-1])
+    broken = dataclasses.replace(program, launches=[bad, *program.launches[1:]])
+    with pytest.raises(ValueError, match=r"launch 0 .* passes"):
+        plan(broken)
+
+
+def test_driver_errors_name_the_cuda_error_and_the_kernel() -> None:
+    oor = cuda_driver.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    _, args, _, runner, _ = _build("mlp", fail={"cuLaunchKernel": oor}, use_graph=False)
+    first = runner.program.launches[0].kernel
+    with pytest.raises(CudaError, match=rf"cuLaunchKernel failed with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES .*{first}"):
+        runner([torch.randn_like(args[0])])
+
+
+def test_cubin_rejected_by_the_driver_falls_back_to_ptx() -> None:
+    program, cpu = _compiled("mlp")[3], _compiled("mlp")[5]
+    fake = FakeDriver(program, cpu, fail={"cuModuleLoadData": [cuda_driver.CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU]})
+    runner = CudaRunner(program, ptx="// the ptx", cubin=b"\x7fELF", arch="sm_90", device="cpu", driver=fake)
+    assert runner.image == "ptx" and "CUDA_ERROR_NO_BINARY_FOR_GPU" in (runner.cubin_error or "")
+    assert fake.images == [b"\x7fELF", b"// the ptx\0"]
+
+
+def test_param_block_is_a_void_pointer_array() -> None:
+    block = ParamBlock([0x1000, 0x2000])
+    slots = (ctypes.c_void_p * 2).from_address(block.address)
+    assert [ctypes.c_void_p.from_address(s).value for s in slots] == [0x1000, 0x2000]
+    block.set(1, 0x3000)
+    assert ctypes.c_void_p.from_address(slots[1]).value == 0x3000 and block.get(1) == 0x3000
+    assert ParamBlock([]).address == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_target_without_gpu_says_what_is_missing() -> None:
+    with pytest.raises(CudaUnavailableError, match=r"torch.cuda.is_available\(\) is False.*cuda-sim"):
+        require_cuda()
+    with pytest.raises(CudaUnavailableError, match="cuda-sim"):
+        sextant.compile(torch.nn.ReLU(), (torch.randn(3),), target="cuda")
