@@ -62,6 +62,9 @@ GLOBAL, SHARED = 1, 3  # NVPTX address spaces
 WARP = 32
 MAX_STATIC_SHARED = 48 * 1024  # more needs dynamic shared memory (not supported)
 MAX_UNROLL = 512
+# every global buffer starts 16-byte aligned (CUDA allocations are 256-byte aligned, the arena's
+# offsets 64-byte aligned; the runtime copies a misaligned input view): lets 128-bit accesses form
+PARAM_ALIGN = 16
 _AXES = {"x": 0, "y": 1, "z": 2}
 _SREG = {"tid": "tid", "bid": "ctaid", "bdim": "ntid", "gdim": "nctaid"}
 _WARP_OP = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
@@ -250,6 +253,7 @@ class _Lowering:
             if p.space != "global":
                 raise self._fail(f"parameter {p.name} is in {p.space!r} memory, expected 'global'")
             arg.name = p.name
+            arg.attributes.align = PARAM_ALIGN
             self.buffers[p.name] = (p, arg)
         if _shared_bytes(k) > MAX_STATIC_SHARED:
             raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {MAX_STATIC_SHARED} bytes of "

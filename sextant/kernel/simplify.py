@@ -202,7 +202,32 @@ class _Simplifier:
             return self.with_offset(self.node("add", x, y), c1 + c2)
         if a == b:
             return self.node("mul", a, self.c(2, a))
+        if (merged := self.recombine(a, b, dt)) is not None:
+            return merged
         return Binary("add", a, b, dt)
+
+    def recombine(self, a: Expr, b: Expr, dt: DType) -> Expr | None:
+        """``(x / k) * k + x % k`` → ``x`` (and ``(x >> s) << s + (x & (2^s - 1))`` → ``x``): the
+        quotient-remainder identity, exact for every ``x`` when ``k > 0`` (truncating division and
+        remainder share ``x``'s sign; floor shift and mask likewise), so it needs no ranges. It
+        undoes ``linearize(delinearize(i))`` — an index split into coordinates and put back."""
+        if not dt.is_int:
+            return None
+        terms, const = _linear(Binary("add", a, b, dt))
+        for i, (ci, ti) in enumerate(terms):
+            if not isinstance(ti, Binary) or (k := _k(ti.b)) is None or k <= 0:
+                continue
+            if ti.op == "div" and ci == k:
+                rem = Binary("fmod", ti.a, ti.b, dt)
+            elif ti.op == "shr" and k < 8 * dt.itemsize - 1 and ci == 1 << k:
+                rem = Binary("bitwise_and", ti.a, self.c((1 << k) - 1, ti.a), dt)
+            else:
+                continue
+            for j, (cj, tj) in enumerate(terms):
+                if j != i and cj == 1 and tj == rem:
+                    rest = [t for n, t in enumerate(terms) if n not in (i, j)]
+                    return self.expr(self.build([(1, ti.a), *rest], const, dt))
+        return None
 
     def r_sub(self, op: str, a: Expr, b: Expr, dt: DType) -> Expr:
         if a == b:

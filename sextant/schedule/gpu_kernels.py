@@ -41,6 +41,7 @@ from sextant.kernel.ir import (
     Var,
     WarpReduce,
 )
+from sextant.kernel.ranges import assigned_names, contains_load, free_names
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -145,33 +146,84 @@ def _check_shared(name: str, shared: list[Buffer], target: TargetDesc) -> None:
 
 
 # -- elementwise -------------------------------------------------------------------------------------
+def elementwise_vector_width(out: Node, target: TargetDesc) -> int:
+    """Consecutive elements per thread: a 128-bit access (4 floats, 8 halves) when the innermost
+    dimension splits evenly into such vectors and the output is large enough that 4× fewer
+    threads still give every SM at least one full block; 1 (scalar) otherwise.
+
+    A thread's elements then lie in one row, so each input read along that row is read at
+    ``base + k`` for k < width: the NVPTX load/store vectoriser turns those into one
+    ``ld.global.v4`` (parameters are 16-byte aligned), halving the instructions per byte and
+    the number of threads to schedule. A small output keeps one element per thread: it is
+    latency- and launch-bound, and more blocks spread it over more SMs."""
+    if not out.shape:
+        return 1
+    width = max(1, target.vector_bytes // out.dtype.itemsize)
+    numel = out.type.numel
+    if width == 1 or out.shape[-1] % width or numel // width < target.cores * ELEMENTWISE_THREADS:
+        return 1
+    return width
+
+
+def _loads_first(stmts: list[Stmt]) -> list[Stmt]:
+    """The assignments that read memory moved ahead of the arithmetic (in order, as far as their
+    operands allow). The lanes' loads then sit together in one basic block — calls such as
+    libdevice's ``erff`` branch internally, and the vectoriser only merges loads of one block.
+    Safe because no store comes between them (the stores follow all lanes' values)."""
+    hoisted: list[Stmt] = []
+    rest: list[Stmt] = []
+    later: set[str] = set()  # registers defined by statements left in place
+    for s in stmts:
+        if isinstance(s, Assign) and contains_load(s.value) and not (free_names(s.value) & later):
+            hoisted.append(s)
+            continue
+        rest.append(s)
+        later |= assigned_names([s]) if not isinstance(s, Assign) else {s.var.name}
+    return hoisted + rest
+
+
 def gpu_elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    """One thread per output element: thread ``i = bid.x * 256 + tid.x`` computes element ``i``
-    of the (row-major) output, so consecutive threads of a warp write consecutive elements of
-    the last dimension — and read consecutive elements of every input indexed the same way —
-    in coalesced 128-byte transactions.
+    """One thread per output element — or per 128-bit vector of elements (see
+    :func:`elementwise_vector_width`): thread ``i = bid.x * 256 + tid.x`` computes elements
+    ``i*w .. i*w+w-1`` of the (row-major) output, so consecutive threads of a warp write
+    consecutive elements of the last dimension — and read consecutive elements of every input
+    indexed the same way — in coalesced 128-byte transactions.
 
     256 threads (8 warps) a block: a multiple of the warp, enough threads per block to hide
     memory latency, few enough registers for several resident blocks per SM; smaller outputs
-    get one block of just enough whole warps. ``ceil(numel / 256)`` blocks cover the output;
-    the last one is guarded by ``if i < numel`` (omitted when the block divides the output).
-    All outputs of the group share the anchor's shape (as in the CPU mapping)."""
+    get one block of just enough whole warps. ``ceil(numel / w / 256)`` blocks cover the
+    output; the last one is guarded by ``if i < numel / w`` (omitted when the blocks divide it
+    exactly). All outputs of the group share the anchor's shape (as in the CPU mapping)."""
     out = group.outputs[0]
     e, params, _ = _setup(group, stored)
     numel = out.type.numel
-    threads = _threads_for(numel, target, ELEMENTWISE_THREADS)
-    blocks = max(1, -(-numel // threads))
+    width = elementwise_vector_width(out, target)
+    items = numel // width
+    threads = _threads_for(items, target, ELEMENTWISE_THREADS)
+    blocks = max(1, -(-items // threads))
     if numel:
         i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
 
         def body() -> None:
-            idx = delinearize(i, out.shape) if out.shape else ()
-            for k, o in enumerate(group.outputs):
-                e.emit(Store(f"out{k}", linearize(idx, o.shape), e.value(o, idx)))
+            if not out.shape:
+                for k, o in enumerate(group.outputs):
+                    e.emit(Store(f"out{k}", c(0), e.value(o, ())))
+                return
+            first = delinearize(imul(i, width), out.shape) if width > 1 else delinearize(i, out.shape)
+            lanes = [(*first[:-1], iadd(first[-1], c(lane)) if lane else first[-1]) for lane in range(width)]
+            # every lane's loads before any store: a store to a buffer not proved distinct from
+            # the inputs would otherwise keep the vectoriser from merging the later loads
+            with e.scope() as computed:
+                values = [[e.value(o, idx) for o in group.outputs] for idx in lanes]
+            for s in _loads_first(computed):
+                e.emit(s)
+            for idx, vals in zip(lanes, values):
+                for k, (o, v) in enumerate(zip(group.outputs, vals)):
+                    e.emit(Store(f"out{k}", linearize(idx, o.shape), v))
 
-        _guarded(e, _bool("lt", i, c(numel)) if numel % threads else None, body)
-    return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts),
-                  meta={"mapping": "thread-per-element"})
+        _guarded(e, _bool("lt", i, c(items)) if items % threads else None, body)
+    meta = {"mapping": "thread-per-element" if width == 1 else f"thread-per-{width}-elements", "vector": width}
+    return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts), meta=meta)
 
 
 # -- reductions ----------------------------------------------------------------------------------------

@@ -181,6 +181,12 @@ NONNEG = {"x": (0, 99), "y": (0, 63)}
     (b("bitwise_and", lt(X, Y), Const(True, BOOL)), {}, "x < y"),
     (b("bitwise_or", lt(X, Y), Const(True, BOOL)), {}, "true"),
     (add(X, Y), {"x": (3, 3), "y": (0, 9)}, "y + 3"),  # a register with one possible value is a constant
+    # quotient and remainder put back together: linearize(delinearize(x)) is x, for any x
+    (add(mul(b("div", X, c(768)), c(768)), b("fmod", X, c(768))), {}, "x"),
+    (add(b("fmod", X, c(768)), mul(b("div", X, c(768)), c(768))), {}, "x"),
+    (add(add(mul(b("shr", X, c(8)), c(256)), b("bitwise_and", X, c(255))), c(3)), {}, "x + 3"),
+    (add(add(Y, mul(b("div", X, c(7)), c(7))), b("fmod", X, c(7))), {}, "x + y"),
+    (add(mul(b("div", X, c(8)), c(4)), b("fmod", X, c(8))), {}, "x / 8 * 4 + x % 8"),  # not the identity
 ])
 def test_rewrites(expr: Expr, ranges: Ranges_, text: str) -> None:
     out = simp(expr, ranges)
@@ -196,7 +202,9 @@ def test_identity_rewrites_hold_at_the_extremes() -> None:
     for e in [add(add(X, c(3)), c(I32_MAX)), mul(mul(X, c(65536)), c(65536)), b("sub", add(X, c(5)), add(Y, c(2))),
               b("bitwise_and", add(mul(X, c(64)), Y), c(63)), b("fmod", b("fmod", X, c(64)), c(8)),
               b("div", b("div", X, c(4)), c(8)), b("shr", b("shr", Y, c(2)), c(3)), add(X, X),
-              b("div", mul(X, c(4)), c(4)), lt(add(X, c(1)), c(10))]:
+              b("div", mul(X, c(4)), c(4)), lt(add(X, c(1)), c(10)),
+              add(mul(b("div", X, c(12)), c(12)), b("fmod", X, c(12))),
+              add(mul(b("shr", Y, c(5)), c(32)), b("bitwise_and", Y, c(31)))]:
         assert assert_same_values(e, simp(e), extreme) > 50
 
 
