@@ -96,7 +96,10 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
     for i, launch in enumerate(program.launches):
         g = program.groups[launch.group]
         k = program.kernels[launch.kernel]
-        shape = f"grid {'x'.join(map(str, k.grid))}  block {'x'.join(map(str, k.block))}"
+        if build.is_gpu:
+            shape = f"grid {'x'.join(map(str, k.grid))}  block {'x'.join(map(str, k.block))}"
+        else:  # CPU kernels: each block is one task on a core, its threads a loop
+            shape = f"{launch.blocks} blocks x {k.threads_per_block} threads"
         res = ""
         if resources is not None and launch.kernel in resources:
             r = resources[launch.kernel]

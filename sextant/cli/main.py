@@ -157,8 +157,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         parse_stages(ns.dump)  # a typo in --dump is reported before a long compile, not after
     pipeline = parse_pipeline(ns.pipeline)
     progress = Progress(err, enabled=not ns.quiet)
-    with progress.step(f"load {ns.model}"):
-        model = load_model(ns.model)
+    model = load_model(ns.model)
     b = build(model, ns.target, arch=ns.arch, pipeline=pipeline, progress=progress, need_gpu=ns.command == "run")
     code = COMMANDS[ns.command](ns, b, out)
     if ns.report is not None:
@@ -172,13 +171,13 @@ def _error_code(e: BaseException) -> tuple[ExitCode, str]:
     from sextant.errors import ExportError, SextantError, UnsupportedOpError
 
     if isinstance(e, UnsupportedOpError):
-        return ExitCode.COMPILE, "rewrite the model to avoid the op, or add a lowering (docs/frontend.md)"
+        return ExitCode.COMPILE, "rewrite the model to avoid the op(s) listed, or add a lowering"
     if isinstance(e, ExportError):
-        return ExitCode.COMPILE, "torch.export must be able to capture the model: see the message above"
+        return ExitCode.COMPILE, "torch.export must be able to capture the model (see its message above)"
     if isinstance(e, PtxasError):
         return ExitCode.COMPILE, "ptxas rejected the generated PTX: a sextant bug; report it with MODEL and --verbose"
     if isinstance(e, SextantError):
-        return ExitCode.COMPILE, "rerun with --verbose for the traceback"
+        return ExitCode.COMPILE, "add --verbose for the traceback"
     return ExitCode.INTERNAL, "this is a bug in sextant: rerun with --verbose and report the traceback"
 
 
@@ -195,8 +194,7 @@ def report_error(e: BaseException, err: TextIO, verbose: bool) -> int:
             message = f"internal error: {type(e).__name__}: {message}"
     print(f"sextant: error: {message}", file=err)
     if hint:
-        print(f"hint: {hint}" + ("" if verbose or code in (ExitCode.USAGE, ExitCode.MISMATCH)
-                                 else " (add --verbose for the traceback)"), file=err)
+        print(f"hint: {hint}", file=err)
     return int(code)
 
 

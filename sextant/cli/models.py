@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -89,12 +90,12 @@ def _factory(spec: str) -> Callable[[], Any]:
     module = _load_source(source)
     fn = getattr(module, attr, None)
     if fn is None:
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                       and getattr(v, "__module__", None) == module.__name__)
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                       and v.__module__ == module.__name__)
         raise _usage(f"{source} has no function {attr!r}",
                      f"functions defined there: {', '.join(found)}" if found else "define FACTORY() in that file")
     if not callable(fn):
-        raise _usage(f"{source}:{attr} is a {type(fn).__name__}, not a function",
+        raise _usage(f"{source}:{attr} is not a function (it is of type {type(fn).__name__})",
                      "FACTORY must be a function returning (module, example_args)")
     return fn
 

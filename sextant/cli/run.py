@@ -107,7 +107,7 @@ def run_and_compare(build: Build, *, runs: int = 20, atol: float = 1e-4, rtol: f
       f"fresh inputs (seed {seed}); tolerance atol={atol:g} rtol={rtol:g}: {verdict}")
     p(f"compile {build.seconds:.2f} s, first call {seconds(first)}")
     p(f"median of {runs} calls: sextant {c.target} {seconds(t_sextant)}, eager PyTorch (CPU) {seconds(t_eager)} "
-      f"({t_sextant / t_eager:.2f}x eager)")
+      f"({t_sextant / t_eager:.3g}x eager)")
     if c.target == "cuda-sim":
         p("note: cuda-sim runs the GPU kernels on this CPU through the SIMT lowering; its time says nothing "
           "about GPU speed (see `sextant explain` for roofline estimates)")
