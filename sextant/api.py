@@ -84,7 +84,7 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None) -> Com
     driver JIT-compiles the PTX) and the kernels run on the GPU (see sextant/runtime/cuda.py)."""
     from sextant.codegen.llvm_nvptx import emit_ptx
     from sextant.codegen.ptxas import PtxasError, assemble
-    from sextant.runtime.cuda import CudaRunner, device_arch, require_cuda
+    from sextant.runtime.cuda import device_arch, load_runner, require_cuda
     from sextant.schedule.program import schedule
     from sextant.schedule.target import sm90_target
 
@@ -99,7 +99,7 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None) -> Com
         cubin = stages["ptxas"].cubin
     except PtxasError as e:
         stages["ptxas_error"] = str(e)
-    runner = CudaRunner(program, ptx=ptx.ptx, cubin=cubin, arch=arch, device=device)
+    runner = load_runner(program, ptx.ptx, cubin, arch, device)
     stages["runner"] = runner
     return CompiledModule(graph, "cuda", runner, stages=stages, device="cuda")
 

@@ -91,6 +91,20 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+def load_runner(program: Program, ptx: str, cubin: bytes | None, arch: str,
+                device: torch.device | str | None = None) -> CudaRunner:
+    """A runner for kernels compiled earlier (a saved artifact, or ``sextant.compile``): loads the
+    cubin when it was assembled for exactly this GPU's architecture, else has the driver compile
+    the PTX (PTX for an older architecture runs on a newer GPU; a cubin does not, across majors)."""
+    dev = require_cuda(device)
+    here = device_arch(dev)
+    usable = cubin if cubin and arch == here else None
+    if usable is None and not ptx:
+        raise CudaError(f"no PTX to load, and the cubin is for {arch}, not this GPU's {here}; recompile with "
+                        f"sextant.compile(..., target='cuda')")
+    return CudaRunner(program, ptx=ptx or None, cubin=usable, arch=arch, device=dev)
+
+
 class Driver:
     """Calls into the driver bindings, turning a non-success ``CUresult`` into :class:`CudaError`."""
 
@@ -164,6 +178,10 @@ class CudaRunner:
         self._nodes: list[Any] = []
         self._last_stream: torch.cuda.Stream | None = None
         self.stats = {"calls": 0, "graph_builds": 0, "node_updates": 0, "kernel_launches": 0}
+
+    def bound_address(self, buffer: int) -> int | None:
+        """The device address the kernels were last given for a graph input or output buffer."""
+        return self._bound.get(buffer)
 
     # -- setup ----------------------------------------------------------------------------------
     def _primary_context(self) -> Any:
