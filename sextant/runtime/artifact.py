@@ -520,8 +520,9 @@ def _load_weights(data: bytes) -> dict[str, torch.Tensor]:
 
 def _check_tensor(t: torch.Tensor, shape: tuple[int, ...], dtype: DType, what: str) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype.torch:
-        raise ArtifactError(f"{what} in {WEIGHTS_FILE} is {DType.from_torch(t.dtype).value}{list(t.shape)} but "
-                            f"the program expects {dtype.value}{list(shape)}")
+        got, want = (str(d).removeprefix("torch.") for d in (t.dtype, dtype.torch))
+        raise ArtifactError(f"{what} in {WEIGHTS_FILE} is {got}{list(t.shape)} but "
+                            f"the program expects {want}{list(shape)}")
 
 
 def _spec_from_json(obj: Any) -> Any:
