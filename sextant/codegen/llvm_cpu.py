@@ -13,6 +13,9 @@ invocation, ``local`` buffers one array per thread where needed. Arrays larger t
 
 All kernels go into one module, optimised once with the O3 pipeline for the host CPU (so loops
 vectorise with AVX2/AVX-512) and JIT-compiled once.
+
+``check_races=True`` (or ``SEXTANT_CHECK_RACES=1``) compiles a checked variant that catches
+shared-memory races, out-of-bounds accesses and divergent warp reductions (``race_check``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from sextant.codegen.errors import CodegenError
+from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import (
+    Item,
     Phase,
     PhaseStmt,
     SimtPlan,
+    Sync,
     UniformFor,
-    UniformIf,
     XchgReduce,
     XchgStore,
     expr_loads,
@@ -92,7 +97,8 @@ def host_target_machine() -> llvm.TargetMachine:
                                         features=llvm.get_host_cpu_features().flatten(), opt=3, jit=True)
 
 
-def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None) -> ir.Module:
+def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None, *,
+                check_races: bool = False, lowerings: list[_KernelLowering] | None = None) -> ir.Module:
     """The unoptimised LLVM module holding every kernel (no JIT): for inspection and tests."""
     tm = tm or host_target_machine()
     module = ir.Module("sextant_cpu")
@@ -103,14 +109,23 @@ def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None)
         if k.name in seen:
             raise CodegenError(f"two kernels are named {k.name!r}")
         seen.add(k.name)
-        _KernelLowering(module, k).emit()
+        low = _KernelLowering(module, k, check_races)
+        low.emit()
+        if lowerings is not None:
+            lowerings.append(low)
     return module
 
 
-def compile_kernels(kernels: Sequence[Kernel]) -> CpuModule:
-    """Lower ``kernels`` into one LLVM module, optimise it at O3 and JIT-compile it."""
+def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = None) -> CpuModule:
+    """Lower ``kernels`` into one LLVM module, optimise it at O3 and JIT-compile it.
+
+    ``check_races`` (default: the ``SEXTANT_CHECK_RACES`` environment variable) compiles the
+    checked variant: launches raise ``race_check.KernelCheckError`` on a shared-memory race, an
+    out-of-bounds access or a divergent warp reduction."""
+    check = checks_enabled(check_races)
     tm = host_target_machine()
-    module = emit_module(kernels, tm)
+    lowerings: list[_KernelLowering] = []
+    module = emit_module(kernels, tm, check_races=check, lowerings=lowerings)
     text = str(module)
     with _compile_lock:  # llvmlite parses into LLVM's global context, which is not thread-safe
         try:
@@ -118,7 +133,7 @@ def compile_kernels(kernels: Sequence[Kernel]) -> CpuModule:
             llmod.verify()
         except RuntimeError as e:  # a code generator bug, not a user error: show the IR's first lines
             raise CodegenError(f"generated LLVM IR is invalid: {e}\n{text[:4000]}") from e
-        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pto = llvm.create_pipeline_tuning_options(speed_level=1 if check else 3)  # checked code: a test mode
         pto.slp_vectorization = True  # off by default in LLVM's tuning options; clang turns it on at O2+
         pb = llvm.create_pass_builder(tm, pto)
         pb.getModulePassManager().run(llmod, pb)
@@ -126,14 +141,20 @@ def compile_kernels(kernels: Sequence[Kernel]) -> CpuModule:
         engine = llvm.create_mcjit_compiler(llmod, tm)
         engine.finalize_object()
         addresses = {k.name: engine.get_function_address(k.name) for k in kernels}
+        if check:
+            reports = {k.name: engine.get_global_value_address(report_symbol(k.name)) for k in kernels}
+    if check:
+        infos = {low.kernel.name: low.checker.info for low in lowerings if low.checker is not None}
+        return CheckedCpuModule(list(kernels), addresses, reports, infos, keepalive=(engine, llmod), llvm_ir=text,
+                                optimized_ir=optimized)
     return CpuModule(list(kernels), addresses, keepalive=(engine, llmod), llvm_ir=text, optimized_ir=optimized)
 
 
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _KernelLowering:
-    def __init__(self, module: ir.Module, kernel: Kernel):
+    def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False):
         self.kernel = kernel
-        self.plan: SimtPlan = plan_kernel(kernel)
+        self.plan: SimtPlan = plan_kernel(kernel, mark_barriers=check)
         fnty = ir.FunctionType(ir.VoidType(), [PTR, I32, I32])
         self.fn = ir.Function(module, fnty, kernel.name)
         self.fn.attributes.add("nounwind")
@@ -149,6 +170,8 @@ class _KernelLowering:
         self.tid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
         self.ltid: ir.Value = self._i32(0)
         self.bid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
+        self.block_linear: ir.Value = self._i32(0)
+        self.checker = KernelChecker(self) if check else None
 
     @staticmethod
     def _i32(v: int) -> ir.Constant:
@@ -192,6 +215,8 @@ class _KernelLowering:
         for name, dt in plan.var_types.items():
             n = T if name in plan.per_thread_vars else 1
             self.slots[name] = self._array(reg_type(dt), n, f"r.{name}")
+        if self.checker is not None:
+            self.checker.preamble()
 
     def _var_ptr(self, name: str) -> ir.Value:
         slot = self.slots[name]
@@ -230,6 +255,9 @@ class _KernelLowering:
 
         def block(bl: ir.Value) -> None:
             b = self.b
+            self.block_linear = bl
+            if self.checker is not None:
+                self.checker.block_start()
             if self.kernel.num_blocks == gx:  # 1-D grid: the linear id is bid.x
                 self.bid = (bl, self._i32(0), self._i32(0))
                 self._items(self.plan.items)
@@ -266,10 +294,15 @@ class _KernelLowering:
         b.branch(head)
         b.position_at_end(done)
 
-    def _items(self, items: Sequence[Phase | UniformFor | UniformIf]) -> None:
+    def _items(self, items: Sequence[Item]) -> None:
         for it in items:
             self._uniform_context()
-            if isinstance(it, Phase):
+            if isinstance(it, Sync):
+                if self.checker is not None:
+                    self.checker.sync()
+            elif isinstance(it, Phase):
+                if self.checker is not None:
+                    self.checker.phase_start()
                 self._threads(lambda it=it: self._stmts(it.stmts))
             elif isinstance(it, UniformFor):
                 loop = it.loop
@@ -344,6 +377,8 @@ class _KernelLowering:
             self.write_var(s.var, self._value(s.value))
         elif isinstance(s, Store):
             idx, val = self._value(s.index), self._value(s.value)
+            if self.checker is not None:
+                idx = self.checker.access(s.buffer, idx, store=True)
             buf, ptr = self._elem_ptr(s.buffer, idx)
             if buf.dtype != s.value.dtype:
                 raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
@@ -365,6 +400,8 @@ class _KernelLowering:
             val = self._value(s.value)
             buf, ptr = self._elem_ptr(s.slot, self.ltid)
             b.store(self.math.to_mem(val, buf.dtype), ptr)
+            if self.checker is not None:
+                self.checker.xchg_store(s.slot)
         elif isinstance(s, XchgReduce):
             self._warp_reduce(s)
         else:
@@ -405,6 +442,8 @@ class _KernelLowering:
         dt = s.var.dtype
         if s.op in ("sum", "prod") and dt == DType.bool:
             raise self._fail(f"WarpReduce {s.op} of bool")
+        if self.checker is not None:
+            self.checker.warp_converged(s)
         base = b.and_(self.ltid, self._i32(~(w - 1)))
 
         def lane(i: int) -> tuple[ir.Value, ir.Value | None]:
@@ -441,6 +480,8 @@ class _KernelLowering:
             return self._special(e)
         if isinstance(e, Load):
             idx = self._value(e.index)
+            if self.checker is not None:
+                idx = self.checker.access(e.buffer, idx, store=False)
             buf, ptr = self._elem_ptr(e.buffer, idx)
             if buf.dtype != e.dtype:
                 raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")

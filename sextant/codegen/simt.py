@@ -100,7 +100,14 @@ class UniformIf:
     orelse: list[Item]
 
 
-Item = Phase | UniformFor | UniformIf
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """Where a ``Barrier`` was (only in plans made with ``mark_barriers=True``): nothing to run on
+    the CPU, where the phase boundary already orders the threads, but the race checker starts a
+    new epoch of shared memory here."""
+
+
+Item = Phase | UniformFor | UniformIf | Sync
 
 
 @dataclass
@@ -249,14 +256,17 @@ def _defined(s: Stmt) -> tuple[Var, ...]:
 
 
 # -- planning -------------------------------------------------------------------------------------
-def plan_kernel(kernel: Kernel) -> SimtPlan:
-    """Cut ``kernel``'s body into phases and decide where each register and local buffer lives."""
+def plan_kernel(kernel: Kernel, *, mark_barriers: bool = False) -> SimtPlan:
+    """Cut ``kernel``'s body into phases and decide where each register and local buffer lives.
+
+    ``mark_barriers`` keeps a :class:`Sync` item where each ``Barrier`` was, which the race
+    checker needs to tell a barrier from a phase boundary made by a ``WarpReduce``."""
     threads = kernel.threads_per_block
     body = strip_sync(kernel.body) if threads == 1 else kernel.body
     var_types = _check_vars(kernel, body)
     if threads == 1 or not any(has_sync(s) for s in body):
         return SimtPlan(threads, [Phase(tuple(body), 0, False)] if body else [], var_types)
-    planner = _Planner(kernel, _Uniformity(body, kernel.block))
+    planner = _Planner(kernel, _Uniformity(body, kernel.block), mark_barriers)
     items = planner.split(body, False)
     live = _Liveness(planner.uniform_loop_vars)
     live.items(items, frozenset())
@@ -294,8 +304,9 @@ def _check_vars(kernel: Kernel, body: Sequence[Stmt]) -> dict[str, DType]:
 
 
 class _Planner:
-    def __init__(self, kernel: Kernel, uniform: _Uniformity):
+    def __init__(self, kernel: Kernel, uniform: _Uniformity, mark_barriers: bool = False):
         self.kernel = kernel
+        self.mark_barriers = mark_barriers
         self.uniform = uniform
         self.uniform_loop_vars: set[str] = set()
         self.exchanges: dict[str, DType] = {}
@@ -323,6 +334,8 @@ class _Planner:
                 cur.append(s)
             elif isinstance(s, Barrier):
                 flush()
+                if self.mark_barriers:
+                    items.append(Sync())
             elif isinstance(s, WarpReduce):
                 self._check_warp(s)
                 slot = f"xchg{len(self.exchanges)}"
@@ -393,6 +406,8 @@ class _Liveness:
                 self._phase = it
                 self._stmts(it.stmts, set(predefined))
                 self._phase = None
+            elif isinstance(it, Sync):
+                continue
             elif isinstance(it, UniformFor):
                 self._use(it.loop.start, set(predefined))
                 self._use(it.loop.stop, set(predefined))
