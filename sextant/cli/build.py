@@ -8,7 +8,6 @@ machine has no GPU (both generate the same kernels and PTX; only where they run 
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,20 +67,16 @@ def parse_pipeline(text: str) -> str | list[str]:
     return names
 
 
-def gpu_present() -> bool:
-    """Whether the CUDA driver loads and sees at least one GPU (asked directly, so it works without
-    cuda-python and with a CPU-only torch)."""
+def cuda_unavailable() -> str | None:
+    """Why ``target="cuda"`` cannot run here (no GPU, no cuda-python), or None when it can. Asks the
+    CUDA runtime itself, so the CLI and ``sextant.compile`` never disagree."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    try:
-        if lib.cuInit(0) != 0:
-            return False
-        count = ctypes.c_int(0)
-        return lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
-    except AttributeError:
-        return False
+        from sextant.runtime.cuda import require_cuda
+
+        require_cuda()
+    except Exception as e:  # CudaUnavailableError, or the runtime failing to import
+        return str(e).split("; target='cuda-sim'")[0]
+    return None
 
 
 def check_ptxas() -> None:
@@ -94,34 +89,38 @@ def check_ptxas() -> None:
                        "or use --target cpu", ExitCode.ENVIRONMENT) from e
 
 
-def build(model: LoadedModel, target: str, *, arch: str = "sm_90", pipeline: str | Sequence[str] = "default",
+def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline: str | Sequence[str] = "default",
           progress: Progress | None = None, need_gpu: bool = False) -> Build:
     """Compile ``model`` for ``target``. Without a GPU, ``cuda`` is compiled as ``cuda-sim`` (noted),
-    unless ``need_gpu`` (the caller wants to run on the GPU): then a :class:`CliError` says so."""
+    unless ``need_gpu`` (the caller wants to run on the GPU): then a :class:`CliError` says so.
+    ``arch`` None: sm_90 for cuda-sim, the GPU's own for cuda."""
     progress = progress or Progress(enabled=False)
     if target not in TARGETS:
         raise CliError(f"unknown target {target!r}", f"choose one of {', '.join(TARGETS)}", ExitCode.USAGE)
     notes: list[str] = []
     compile_target = target
-    if target == "cuda" and not gpu_present():
+    if target == "cuda" and (reason := cuda_unavailable()) is not None:
         if need_gpu:
-            raise CliError("no NVIDIA GPU is present (the CUDA driver, libcuda.so.1, is missing or sees no device)",
+            raise CliError(f"--target cuda cannot run here: {reason}",
                            "use --target cuda-sim to run the same GPU kernels on the CPU", ExitCode.ENVIRONMENT)
         compile_target = "cuda-sim"
-        notes.append("no GPU here: --target cuda was compiled through cuda-sim, which generates the identical "
-                     "kernels, PTX and cubin")
+        notes.append("no usable GPU here: --target cuda was compiled through cuda-sim, which generates the "
+                     "identical kernels, PTX and cubin")
     if compile_target not in API_TARGETS:
         raise CliError(f"target {compile_target!r} is not implemented in this version of sextant",
                        f"available: {', '.join(t for t in TARGETS if t in API_TARGETS)}", ExitCode.ENVIRONMENT)
-    if compile_target in GPU_TARGETS:
-        check_ptxas()
+    if compile_target == "cuda-sim":
+        check_ptxas()  # cuda-sim needs ptxas; cuda falls back to the driver's PTX JIT without it
+        arch = arch or "sm_90"
     pipeline = list(pipeline) if not isinstance(pipeline, str) else pipeline
     progress.note(f"compiling {model.name} ({type(model.module).__name__}) for {compile_target}"
-                  + (f" {arch}" if compile_target in GPU_TARGETS else ""))
+                  + (f" {arch}" if arch and compile_target in GPU_TARGETS else ""))
     t0 = time.perf_counter()
     with progress.watch_compile():
         compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
                                    arch=arch, pipeline=pipeline)
     seconds = time.perf_counter() - t0
     progress.note(f"compiled in {seconds:.2f} s")
-    return Build(model, target, compiled, arch, pipeline, seconds, dict(progress.timings), notes)
+    ptx = compiled.stages.get("ptx")
+    return Build(model, target, compiled, ptx.arch if ptx is not None else "", pipeline, seconds,
+                 dict(progress.timings), notes)

@@ -121,7 +121,8 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
                 line += f"; {e.gpu.name.split()[0]} roofline {seconds(e.time_s)} ({e.bound}-bound)"
             p(line)
     if resources is None:
-        p("  (registers and spills come from ptxas: use --target cuda-sim or cuda)")
+        why = "use --target cuda-sim or cuda" if not build.is_gpu else "ptxas was not available"
+        p(f"  (registers and spills come from ptxas: {why})")
     if costs is not None:
         flops = sum(x.flops for x in costs)
         nbytes = sum(x.bytes for x in costs)

@@ -42,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
     common.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     common.add_argument("--target", default="cuda-sim", choices=("cpu", "cuda", "cuda-sim"),
                         help="cuda-sim (default): GPU code, run on the CPU; cuda: a real GPU; cpu: x86 code")
-    common.add_argument("--arch", default="sm_90", help="GPU architecture for cuda/cuda-sim (default sm_90)")
+    common.add_argument("--arch", help="GPU architecture, e.g. sm_80 (default: sm_90 for cuda-sim, the GPU's own "
+                        "for cuda)")
     common.add_argument("--pipeline", default="default",
                         help="graph pass pipeline: a name (default) or comma-separated pass names")
     common.add_argument("--report", metavar="FILE.html", type=Path, help="also write an HTML report of the compilation")
@@ -126,7 +127,7 @@ def _cmd_explain(ns: argparse.Namespace, build, out: TextIO) -> int:
 
 def _write_report(build, path: Path, gpu: str, out: TextIO) -> None:
     try:
-        from sextant.report import write_report  # type: ignore[attr-defined]
+        from sextant.report.html import write_report
     except ImportError as e:
         raise CliError(f"--report: the HTML report generator is not available ({e})",
                        "update sextant (sextant.report.write_report), or drop --report", ExitCode.ENVIRONMENT) from e
