@@ -12,6 +12,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
+def _dims(d: tuple[int, int, int]) -> str:
+    return "x".join(str(v) for v in (d[:1] if d[1:] == (1, 1) else d[:2] if d[2] == 1 else d))
+
+
 def describe_program(p: Program) -> str:
     lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches)} launches, "
              f"{len(p.kernels)} unique kernels, planned peak {_mib(p.peak_bytes)} "
@@ -21,7 +25,15 @@ def describe_program(p: Program) -> str:
         ops = " ".join(m.op for m in g.members)
         locs = sorted({m.loc for m in g.members if m.loc})
         args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
-        lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} blocks={launch.blocks:<5} [{ops}]")
+        k = p.kernels[launch.kernel]
+        shape = f"grid={_dims(k.grid)} block={_dims(k.block)}" if p.target.is_gpu else f"blocks={launch.blocks}"
+        lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} {shape:<12} [{ops}]")
+        if (mapping := k.meta.get("mapping")) is not None or launch.kernel in p.resources:
+            extra = [f"mapping {mapping}"] if mapping else []
+            if (r := p.resources.get(launch.kernel)) is not None:
+                extra.append(f"ptxas: {r.registers} registers, {r.shared_bytes} B shared, "
+                             f"spills {r.spill_stores} B stored / {r.spill_loads} B loaded")
+            lines.append(f"        {'; '.join(extra)}")
         lines.append(f"        buffers ({args})")
         if locs:
             lines.append(f"        from {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ class Program:
     arena_bytes: int
     constants: dict[int, torch.Tensor] = field(default_factory=dict)  # tensors of "param" buffers
     notes: list[str] = field(default_factory=list)
+    # per-kernel resources ptxas reported (registers, shared bytes, spills), once a GPU target
+    # assembled the program's PTX: shown in the schedule dump next to each launch
+    resources: dict[str, Any] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:

@@ -35,3 +35,20 @@ def sm90_target() -> TargetDesc:
     """NVIDIA Hopper (H100/H200): 132 SMs, warps of 32, 48 KiB static shared memory per block."""
     return TargetDesc("sm_90", cores=132, warp=32, shared_bytes=48 * 1024, vector_bytes=16, max_threads=1024,
                       is_gpu=True)
+
+
+# SMs of the data-centre part of each architecture (A100, A10-class, L40, H100/H200 SXM, B200): the
+# elementwise mapping sizes its vector choice by them. Static shared memory is 48 KiB on all.
+_SMS = {80: 108, 86: 84, 89: 142, 90: 132, 100: 148}
+
+
+def gpu_target(arch: str = "sm_90") -> TargetDesc:
+    """The GPU target for ``arch`` (``sm_80``, ``sm_90``, ``sm_90a``, ...): the same mappings, with the
+    SM count of that generation's data-centre part (unknown architectures get Hopper's)."""
+    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
+    if not arch.startswith("sm_") or not digits:
+        raise ValueError(f"unknown GPU architecture {arch!r}; expected e.g. 'sm_80' or 'sm_90'")
+    base = sm90_target()
+    return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=base.shared_bytes,
+                      vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True)
+
