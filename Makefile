@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench coverage clean
+.PHONY: demo test test-fast lint bench coverage clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +18,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m sextant.demo
 
-test: $(STAMP) lint
+test: $(STAMP) lint chromium
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) chromium
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q -m "not slow"
+
+# The compile report's browser test (tests/report) needs headless Chromium: Debian's package, installed
+# here when missing and we are root (as in CI); otherwise that test fails and says how to install it.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+		echo "warning: chromium is missing and installing it needs root: apt-get install chromium" >&2; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check sextant tests
