@@ -195,3 +195,11 @@ def test_python_m_sextant_bad_model(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[0] == "sextant: error: unknown model 'nope'"
     assert proc.stdout == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["cnn", "transformer-block", "gpt2"])
+def test_run_every_example(example: str) -> None:
+    code, out, err = cli("run", example, "--runs", "1", "-q")
+    assert code == 0, err
+    assert ": OK" in out
