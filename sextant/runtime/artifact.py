@@ -35,8 +35,9 @@ Why this shape:
   rejects rather than one that half works.
 
 Running a loaded GPU artifact: on a machine with a CUDA GPU through ``sextant.runtime.cuda``
-(imported lazily; it must provide ``load_runner(program, ptx, cubin, arch)`` returning an
-executor), otherwise through the cuda-sim path. ``loaded.target`` says which; so does a log line.
+(imported lazily: its ``load_runner(program, ptx, cubin, arch)`` loads the cubin on a GPU of
+exactly that architecture, else has the driver JIT the PTX), otherwise through the cuda-sim
+path. ``loaded.target`` says which; so does a log line. A loaded module can be saved again.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def save(compiled: CompiledModule, path: str | Path) -> Path:
     for name, data in files.items():
         (out / name).write_bytes(data)
 
-    resources = getattr(compiled.stages.get("ptxas"), "kernels", {}) or {}
+    resources = _ptxas_resources(compiled)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -197,6 +198,8 @@ def _gpu_code(compiled: CompiledModule) -> tuple[str, str, bytes | None]:
     assembled = compiled.stages.get("ptxas")
     if assembled is not None and getattr(assembled, "arch", arch) == arch:
         return text, arch, assembled.cubin
+    if isinstance(compiled.stages.get("cubin"), bytes):  # a module loaded from an artifact
+        return text, arch, compiled.stages["cubin"]
     from sextant.codegen.ptxas import PtxasError, assemble
 
     try:
@@ -204,6 +207,15 @@ def _gpu_code(compiled: CompiledModule) -> tuple[str, str, bytes | None]:
     except PtxasError as e:  # no ptxas here: PTX alone is still a complete artifact (the driver JITs it)
         log.info("saving without a cubin: %s", str(e).splitlines()[0])
         return text, arch, None
+
+
+def _ptxas_resources(compiled: CompiledModule) -> dict[str, dict[str, Any]]:
+    """ptxas's per-kernel report: from this compilation, or kept from the artifact it was loaded from."""
+    assembled = compiled.stages.get("ptxas")
+    if assembled is not None:
+        return {name: dataclasses.asdict(r) for name, r in assembled.kernels.items()}
+    loaded = compiled.stages.get("manifest") or {}
+    return {k["name"]: k["ptxas"] for k in loaded.get("kernels", []) if "ptxas" in k}
 
 
 def _ptx_target(ptx: str) -> str:
@@ -239,13 +251,13 @@ def _buffer_json(b: BufferInfo, names: dict[int, str], weight: str | None) -> di
             "weight": weight}
 
 
-def _kernel_summary(k: Kernel, res: Any) -> dict[str, Any]:
+def _kernel_summary(k: Kernel, res: dict[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {"name": k.name, "grid": list(k.grid), "block": list(k.block),
                            "params": [{"name": p.name, "dtype": p.dtype.value, "size": p.size, "role": p.role}
                                       for p in k.params],
                            "shared_bytes": sum(s.size * s.dtype.itemsize for s in k.shared)}
     if res is not None:
-        out["ptxas"] = dataclasses.asdict(res)
+        out["ptxas"] = res
     return out
 
 
@@ -634,7 +646,10 @@ def _cuda_executor(program: Program, ptx: str, cubin: bytes | None, arch: str,
         if cuda_runtime is None or not hasattr(cuda_runtime, "load_runner"):
             why = "this sextant has no CUDA runtime that can load artifacts (sextant.runtime.cuda.load_runner)"
         else:
-            return cuda_runtime.load_runner(program, ptx, cubin, arch), ""
+            try:
+                return cuda_runtime.load_runner(program, ptx, cubin, arch), ""
+            except getattr(cuda_runtime, "CudaUnavailableError", ()) as e:  # e.g. a GPU but no cuda-python
+                why = str(e)
     if required:
         raise ArtifactError(f"cannot run on target 'cuda': {why}; load with target='cuda-sim' to run the same "
                             f"kernels on the CPU")

@@ -57,7 +57,7 @@ def _round_trip(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> 
     compiled.save(tmp_path / name)
     assert {p.name for p in (tmp_path / name).iterdir()} == GPU_FILES
     with caplog.at_level(logging.INFO, logger="sextant.artifact"):
-        loaded = sextant.load(tmp_path / name)
+        loaded = sextant.load(tmp_path / name, target="cuda-sim")
     assert loaded.target == "cuda-sim" and "running the GPU kernels on the CPU" in caplog.text
     for _ in range(2):
         fresh = _fresh(name, args)
@@ -110,7 +110,7 @@ class _SharedStorage(torch.nn.Module):
 def test_weights_sharing_storage(tmp_path: Path) -> None:
     model, x = _SharedStorage().eval(), torch.randn(3, 8)
     compiled = sextant.compile(model, (x,), target="cuda-sim")
-    loaded = sextant.load(compiled.save(tmp_path / "shared"))
+    loaded = sextant.load(compiled.save(tmp_path / "shared"), target="cuda-sim")
     fresh = torch.randn(3, 8)
     assert torch.equal(loaded(fresh), compiled(fresh))
     torch.testing.assert_close(loaded(fresh), model(fresh))
@@ -142,7 +142,7 @@ def test_files_are_readable_and_pickle_free(mlp_saved: tuple, monkeypatch: pytes
     for mod, fn in ((torch, "load"), (pickle, "load"), (pickle, "loads"), (pickle, "Unpickler")):
         monkeypatch.setattr(mod, fn, forbidden)
     x = torch.randn(8, 64)
-    assert torch.equal(sextant.load(path)(x), compiled(x))
+    assert torch.equal(sextant.load(path, target="cuda-sim")(x), compiled(x))
 
 
 def test_cpu_target_round_trip_and_target_choice(tmp_path: Path) -> None:
@@ -170,7 +170,14 @@ def test_save_overwrites_a_previous_artifact(mlp_saved: tuple, tmp_path: Path) -
     (root / "kernels.cubin").write_bytes(b"stale")
     compiled.save(root)
     x = torch.randn(8, 64)
-    assert torch.equal(sextant.load(root)(x), compiled(x))
+    assert torch.equal(sextant.load(root, target="cuda-sim")(x), compiled(x))
+
+
+def test_a_loaded_module_saves_the_same_artifact(mlp_saved: tuple, tmp_path: Path) -> None:
+    path = mlp_saved[2]
+    again = sextant.load(path, target="cuda-sim").save(tmp_path / "again")
+    for name in GPU_FILES:
+        assert (again / name).read_bytes() == (path / name).read_bytes(), name
 
 
 def test_cubin_is_optional(mlp_saved: tuple, tmp_path: Path) -> None:
@@ -179,7 +186,7 @@ def test_cubin_is_optional(mlp_saved: tuple, tmp_path: Path) -> None:
     (root / "kernels.cubin").unlink()
     _edit_manifest(root, lambda m: m["files"].pop("kernels.cubin"))
     x = torch.randn(8, 64)
-    assert torch.equal(sextant.load(root)(x), compiled(x))
+    assert torch.equal(sextant.load(root, target="cuda-sim")(x), compiled(x))
 
 
 # -- rejected directories -----------------------------------------------------------------------------
@@ -325,3 +332,62 @@ def test_gpu_present_uses_the_cuda_runtime(mlp_saved: tuple, monkeypatch: pytest
     assert seen["ptx"] == (path / "kernels.ptx").read_text() and seen["arch"] == "sm_90"
     assert seen["cubin"] == (path / "kernels.cubin").read_bytes()
     assert seen["program"].kernels == mlp_saved[1].stages["program"].kernels
+
+
+def test_without_a_gpu_load_falls_back_to_cuda_sim(mlp_saved: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(artifact, "_device_arch", lambda: None)
+    with caplog.at_level(logging.INFO, logger="sextant.artifact"):
+        loaded = sextant.load(mlp_saved[2])
+    assert loaded.target == "cuda-sim" and loaded.device == "cpu"
+    assert "not on a GPU (torch sees no CUDA GPU)" in caplog.text
+
+
+def test_gpu_without_driver_bindings_falls_back(mlp_saved: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    class CudaUnavailableError(RuntimeError):
+        pass
+
+    def load_runner(*args: object) -> None:
+        raise CudaUnavailableError("cuda-python is not installed")
+
+    fake = types.ModuleType("sextant.runtime.cuda")
+    fake.load_runner, fake.CudaUnavailableError = load_runner, CudaUnavailableError
+    monkeypatch.setitem(__import__("sys").modules, "sextant.runtime.cuda", fake)
+    monkeypatch.setattr(sextant.runtime, "cuda", fake, raising=False)
+    monkeypatch.setattr(artifact, "_device_arch", lambda: "sm_90")
+    with caplog.at_level(logging.INFO, logger="sextant.artifact"):
+        assert sextant.load(mlp_saved[2]).target == "cuda-sim"
+    assert "cuda-python is not installed" in caplog.text
+    with pytest.raises(ArtifactError, match=r"cannot run on target 'cuda': cuda-python is not installed"):
+        sextant.load(mlp_saved[2], target="cuda")
+
+
+def _no_gpu_runtime() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: torch.cuda.is_available() is False"
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "no CUDA GPU runtime: cuda-python is not installed"
+    return None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_no_gpu_runtime() is not None, reason=_no_gpu_runtime() or "")
+@pytest.mark.parametrize("name", ["mlp", "transformer-block"])
+def test_cuda_sim_artifact_runs_on_the_gpu(name: str, tmp_path: Path) -> None:
+    """An artifact saved without a GPU (cuda-sim) runs on one, matching eager there and the CPU run."""
+    model, args = EXAMPLES[name]()
+    compiled = sextant.compile(model, args, target="cuda-sim")
+    loaded = sextant.load(compiled.save(tmp_path / name))
+    assert loaded.target == "cuda" and loaded.device == "cuda"
+    fresh = _fresh(name, args)
+    with torch.no_grad():
+        expected = model.cuda()(*(a.cuda() for a in fresh))
+    got = loaded(*(a.cuda() for a in fresh))
+    assert got.is_cuda
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.cpu(), compiled(*fresh), rtol=1e-4, atol=1e-4)
+    again = sextant.load(loaded.save(tmp_path / f"{name}-cuda"))  # saved from target='cuda' too
+    torch.testing.assert_close(again(*(a.cuda() for a in fresh)), got, rtol=0, atol=0)
