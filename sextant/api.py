@@ -68,12 +68,13 @@ def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str) -> Compil
     from sextant.codegen.ptxas import assemble
     from sextant.runtime.program_runner import ProgramRunner
     from sextant.schedule.program import schedule
-    from sextant.schedule.target import sm90_target
+    from sextant.schedule.target import gpu_target
 
-    program = schedule(graph, sm90_target())
+    program = schedule(graph, gpu_target(arch))
     kernels = list(program.kernels.values())
     ptx = emit_ptx(kernels, arch=arch)
     stages.update(program=program, ptx=ptx, ptxas=assemble(ptx.ptx, arch))
+    program.resources = dict(stages["ptxas"].kernels)
     module = compile_kernels(kernels)
     stages["cpu_module"] = module
     return CompiledModule(graph, "cuda-sim", ProgramRunner(program, module.launch), stages=stages)
@@ -86,17 +87,18 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None) -> Com
     from sextant.codegen.ptxas import PtxasError, assemble
     from sextant.runtime.cuda import device_arch, load_runner, require_cuda
     from sextant.schedule.program import schedule
-    from sextant.schedule.target import sm90_target
+    from sextant.schedule.target import gpu_target
 
     device = require_cuda()
     arch = arch or device_arch(device)
-    program = schedule(graph, sm90_target())
+    program = schedule(graph, gpu_target(arch))
     ptx = emit_ptx(list(program.kernels.values()), arch=arch)
     stages.update(program=program, ptx=ptx)
     cubin = None  # without ptxas (or one too old for this GPU) the driver JIT-compiles the PTX
     try:
         stages["ptxas"] = assemble(ptx.ptx, arch)
         cubin = stages["ptxas"].cubin
+        program.resources = dict(stages["ptxas"].kernels)
     except PtxasError as e:
         stages["ptxas_error"] = str(e)
     runner = load_runner(program, ptx.ptx, cubin, arch, device)
