@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench coverage clean chromium
+.PHONY: demo test test-fast lint bench coverage clean chromium ptxas
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m sextant.demo
 
-test: $(STAMP) lint chromium
+test: $(STAMP) lint chromium ptxas
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q
 
-test-fast: $(STAMP) chromium
+test-fast: $(STAMP) chromium ptxas
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q -m "not slow"
 
 # The compile report's browser test (tests/report) needs headless Chromium: Debian's package, installed
@@ -33,6 +33,12 @@ chromium:
 	else \
 		echo "warning: chromium is missing and installing it needs root: apt-get install chromium" >&2; \
 	fi
+
+# The GPU tests assemble every kernel with ptxas: the CUDA toolkit's when installed, else PyPI's
+# nvidia-cuda-nvcc wheel (ptxas only, ~50 MB), installed into the venv here. They never skip for want of it.
+ptxas: $(STAMP)
+	@$(BIN)/python -c "from sextant.codegen.ptxas import find_ptxas; find_ptxas()" 2>/dev/null || \
+		$(BIN)/python -m pip install -q nvidia-cuda-nvcc
 
 lint: $(STAMP)
 	$(BIN)/ruff check sextant tests

@@ -357,6 +357,25 @@ def test_find_ptxas_names_how_to_install(monkeypatch, tmp_path):
         find_ptxas()
 
 
+def test_find_ptxas_in_the_nvidia_cuda_nvcc_wheel(monkeypatch, tmp_path):
+    """Without a toolkit, ptxas comes from PyPI's nvidia-cuda-nvcc (``make test`` installs it then)."""
+    import types
+
+    import sextant.codegen.ptxas as ptxas_mod
+
+    exe = tmp_path / "site" / "nvidia" / "cu13" / "bin" / "ptxas"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(ptxas_mod, "_TOOLKIT_DIRS", ())
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "site" / "nvidia")])
+    monkeypatch.setattr(ptxas_mod.importlib.util, "find_spec", lambda name: spec if name == "nvidia" else None)
+    assert find_ptxas() == exe
+
+
 def test_parse_resources():
     log = textwrap.dedent("""\
         ptxas info    : 0 bytes gmem
