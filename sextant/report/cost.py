@@ -76,11 +76,22 @@ def node_flops(n: Node) -> int:
     raise ValueError(f"cost model: no FLOP rule for op {n.op!r}")
 
 
+def split_args(program: Program, launch: Launch) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A launch's buffer arguments as (read, written): the schedule passes its group's outputs last."""
+    outputs = program.groups[launch.group].outputs
+    cut = len(launch.args) - len(outputs)
+    reads, writes = launch.args[:cut], launch.args[cut:]
+    if [id(program.buffers[b].node) for b in writes] != [id(o) for o in outputs]:
+        raise ValueError(f"launch of {launch.kernel}: its last {len(outputs)} argument(s) are not its group's "
+                         "outputs; the cost model relies on Program's (inputs..., outputs...) argument order")
+    return reads, writes
+
+
 def computed_nodes(program: Program, launch: Launch) -> list[Node]:
     """The graph nodes a launch evaluates: its group's members and every inlined node between
     them and the buffers it reads, in graph order."""
     group = program.groups[launch.group]
-    reads = {id(program.buffers[b].node) for b in launch.args[: len(launch.args) - len(group.outputs)]}
+    reads = {id(program.buffers[b].node) for b in split_args(program, launch)[0]}
     seen: set[int] = set()
     stack = [*group.members, *group.outputs]
     while stack:
@@ -124,14 +135,14 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
             by_op[n.op] = by_op.get(n.op, 0) + f
             if n.op in UNARY_FLOAT or n.op == "pow":
                 transcendentals += f
-    n_out = len(group.outputs)
+    reads, writes = split_args(program, launch)
     bytes_read = 0
-    for b in dict.fromkeys(launch.args[: len(launch.args) - n_out]):  # a buffer passed twice is read once
+    for b in dict.fromkeys(reads):  # a buffer passed twice is read once
         node = program.buffers[b].node
         if id(node) in inside:
             continue
         bytes_read += _needed_elements(node, users) * node.dtype.itemsize
-    bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(launch.args[len(launch.args) - n_out:]))
+    bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(writes))
     return LaunchCost(index, launch.kernel, group.kind, group.anchor.dtype, sum(by_op.values()), transcendentals,
                       bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])))
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sextant.graph.ir import Node
-from sextant.report.cost import computed_nodes
+from sextant.report.cost import computed_nodes, split_args
 from sextant.report.roofline import Estimate
 from sextant.report.sources import source_line
 from sextant.schedule.program import Program
@@ -114,8 +114,7 @@ def graph_svg(program: Program, estimates: Sequence[Estimate] | None = None) -> 
     layer: dict[int, int] = {}
     edges: dict[tuple[str, str], list[str]] = {}  # (from, to) -> buffer types
     for li, launch in enumerate(program.launches):
-        n_out = len(program.groups[launch.group].outputs)
-        reads, writes = launch.args[: len(launch.args) - n_out], launch.args[len(launch.args) - n_out:]
+        reads, writes = split_args(program, launch)
         layer[li] = 1 + max((layer[writer[b]] for b in reads if b in writer), default=0)
         for b in dict.fromkeys(reads):
             buf = program.buffers[b]

@@ -12,6 +12,7 @@ import sextant
 from sextant.examples import mlp
 from sextant.report.html import render_report
 from sextant.report.listings import find_disassembler, llvm_functions, ptx_entries
+from sextant.report.sources import source_line
 from sextant.runtime.compiled import CompiledModule
 
 VOID = {"meta", "br", "hr", "img", "input", "link", "wbr", "col", "area", "base", "source", "track"}
@@ -144,3 +145,9 @@ def test_checker_catches_what_it_checks() -> None:
     c.feed("<div><pre>for (i = 0; i < n; i++)</pre><span></div>")
     c.close()
     assert any("raw '<'" in p for p in c.problems) and any("</div> closes <span>" in p for p in c.problems)
+
+
+def test_source_lines_resolve() -> None:
+    here = source_line(f"{Path(__file__).name}:1")
+    assert here.code == '"""The report page, checked as text: well-formed, self-contained, every kernel there, and a'
+    assert source_line("no_such_file_anywhere.py:3").code == "" and source_line("garbage").code == ""
