@@ -147,6 +147,17 @@ def _quiet_warnings(verbose: bool) -> Iterator[None]:
         yield
 
 
+def _check_gpu_name(name: str) -> None:
+    try:
+        from sextant.report.roofline import GPUS, gpu_spec
+    except ImportError:  # explain then shows no roofline times, and --report says what is missing
+        return
+    try:
+        gpu_spec(name)
+    except ValueError as e:
+        raise CliError(f"--gpu: unknown GPU {name!r}", f"known: {', '.join(GPUS)}", ExitCode.USAGE) from e
+
+
 def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from sextant.cli.build import build, parse_pipeline
     from sextant.cli.models import load_model
@@ -157,6 +168,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
         parse_stages(ns.dump)  # a typo in --dump is reported before a long compile, not after
     pipeline = parse_pipeline(ns.pipeline)
+    _check_gpu_name(ns.gpu)
     progress = Progress(err, enabled=not ns.quiet)
     model = load_model(ns.model)
     b = build(model, ns.target, arch=ns.arch, pipeline=pipeline, progress=progress, need_gpu=ns.command == "run")

@@ -8,6 +8,7 @@ because a wrong path or a factory returning the wrong thing is the most common f
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -92,8 +93,10 @@ def _factory(spec: str) -> Callable[[], Any]:
     if fn is None:
         found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
                        and v.__module__ == module.__name__)
+        close = difflib.get_close_matches(attr, found, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise _usage(f"{source} has no function {attr!r}",
-                     f"functions defined there: {', '.join(found)}" if found else "define FACTORY() in that file")
+                     f"{hint}functions defined there: {', '.join(found)}" if found else "define FACTORY() in that file")
     if not callable(fn):
         raise _usage(f"{source}:{attr} is not a function (it is of type {type(fn).__name__})",
                      "FACTORY must be a function returning (module, example_args)")
@@ -131,7 +134,9 @@ def load_model(spec: str) -> LoadedModel:
         raise _usage(f"MODEL {spec!r} names a file but no factory function",
                      f"write {spec}:FACTORY, where FACTORY() returns (module, example_args)")
     else:
-        raise _usage(f"unknown model {spec!r}", f"use a built-in example ({_examples()}) or FILE.py:FACTORY")
+        close = difflib.get_close_matches(spec, list(EXAMPLES), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _usage(f"unknown model {spec!r}", f"{hint}use a built-in example ({_examples()}) or FILE.py:FACTORY")
     try:
         value = fn()
     except ImportError as e:  # e.g. an example needing an optional package

@@ -142,7 +142,8 @@ def test_verbose_shows_traceback() -> None:
 
 
 @pytest.mark.parametrize("argv", [["compile", "mlp", "--dump", "bogus"], ["compile", "mlp", "--target", "tpu"],
-                                  ["run", "mlp", "--pipeline", "nopass"], ["frobnicate"], []])
+                                  ["run", "mlp", "--pipeline", "nopass"], ["explain", "mlp", "--gpu", "Z9"],
+                                  ["frobnicate"], []])
 def test_usage_errors(argv: list[str]) -> None:
     code, _, err = cli(*argv)
     assert code == 2
