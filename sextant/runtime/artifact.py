@@ -61,6 +61,7 @@ from sextant.graph.printer import input_names, print_graph
 from sextant.graph.reference import eval_node
 from sextant.kernel.ir import Kernel
 from sextant.kernel.serialize import KernelSerializeError, kernels_from_json, kernels_to_json
+from sextant.kernel.verifier import KernelVerificationError, verify_kernel
 from sextant.runtime.compiled import CompiledModule
 from sextant.schedule.program import BufferInfo, Launch, Program
 from sextant.schedule.target import TargetDesc
@@ -486,6 +487,12 @@ def _build_program(manifest: dict[str, Any], files: dict[str, bytes]) -> Program
     except (KernelSerializeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{KERNELS_FILE}: {e}") from None
     kernels = {k.name: k for k in kernel_list}
+    target = TargetDesc(**manifest["schedule_target"])
+    for k in kernel_list:  # the kernels run unchecked on the CPU or the GPU: an edited one must not
+        try:
+            verify_kernel(k, shared_limit=target.shared_bytes)
+        except KernelVerificationError as e:
+            raise ArtifactError(f"{KERNELS_FILE} does not hold valid kernel IR: {e}") from None
 
     by_id = {id(n): n for n in graph.nodes}
     nodes = {name: by_id[node_id] for node_id, name in _node_names(graph).items()}
@@ -517,7 +524,6 @@ def _build_program(manifest: dict[str, Any], files: dict[str, bytes]) -> Program
     for k, (b, node) in enumerate(zip(outputs, graph.outputs)):
         if not 0 <= b < len(buffers) or buffers[b].node is not node:
             raise ArtifactError(f"{MANIFEST}: output {k} is buffer {b}, which does not hold the graph's output {k}")
-    target = TargetDesc(**manifest["schedule_target"])
     return Program(graph, target, [], kernels, launches, buffers, outputs, arena, constants,
                    list(manifest.get("notes", [])))
 

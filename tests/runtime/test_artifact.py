@@ -391,3 +391,15 @@ def test_cuda_sim_artifact_runs_on_the_gpu(name: str, tmp_path: Path) -> None:
     torch.testing.assert_close(got.cpu(), compiled(*fresh), rtol=1e-4, atol=1e-4)
     again = sextant.load(loaded.save(tmp_path / f"{name}-cuda"))  # saved from target='cuda' too
     torch.testing.assert_close(again(*(a.cuda() for a in fresh)), got, rtol=0, atol=0)
+
+
+def test_edited_kernel_is_verified(mlp_saved: tuple, tmp_path: Path) -> None:
+    """A kernels.json edited consistently (checksum updated) still has to pass the kernel verifier."""
+    root = _copy(mlp_saved[2], tmp_path)
+    doc = json.loads((root / "kernels.json").read_text())
+    doc["kernels"][0]["body"].insert(0, {"_": "Store", "buffer": "nowhere", "index": {"_": "Const", "value": 0,
+                                                                                       "dtype": "i32"},
+                                         "value": {"_": "Const", "value": 1.0, "dtype": "f32"}})
+    _rewrite(root, "kernels.json", json.dumps(doc).encode())
+    with pytest.raises(ArtifactError, match=r"(?s)valid kernel IR: kernel matmul_0 is invalid:.*buffer 'nowhere'"):
+        sextant.load(root)
