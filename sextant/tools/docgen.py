@@ -16,6 +16,7 @@ Only deterministic output is generated (no timings).
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import re
 import sys
@@ -149,7 +150,44 @@ def snippet_gpt2_schedule() -> str:
     return schedule(run_pipeline(sextant.capture(model, args)), cpu_target()).describe()
 
 
+@functools.cache
+def _tiny_gpu() -> sextant.CompiledModule:
+    return sextant.compile(*_tiny(), target="cuda-sim", arch="sm_90")
+
+
+def snippet_tiny_gpu_schedule() -> str:
+    return _tiny_gpu().stages["program"].describe()
+
+
+def snippet_tiny_gpu_kernel() -> str:
+    from sextant.kernel.printer import print_kernel
+
+    return print_kernel(_tiny_gpu().stages["program"].kernels["reduce_0"])
+
+
+def ptx_entry(ptx: str, name: str) -> str:
+    """The text of ``.entry name`` (its signature and body) in a PTX module."""
+    lines = ptx.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f".visible .entry {name}("))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    return "\n".join(lines[start:end + 1])
+
+
+def snippet_tiny_ptx() -> str:
+    """The LayerNorm kernel's whole PTX entry (warp-per-row: two shuffle butterflies)."""
+    return ptx_entry(_tiny_gpu().stages["ptx"].ptx, "reduce_0")
+
+
+def snippet_tiny_ptxas() -> str:
+    log = _tiny_gpu().stages["ptxas"].log.strip().splitlines()
+    return "\n".join(line for line in log if "Compile time" not in line)  # the rest is deterministic
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "tiny-gpu-schedule": snippet_tiny_gpu_schedule,
+    "tiny-gpu-kernel": snippet_tiny_gpu_kernel,
+    "tiny-ptx": snippet_tiny_ptx,
+    "tiny-ptxas": snippet_tiny_ptxas,
     "tiny-schedule": snippet_tiny_schedule,
     "tiny-kernels": snippet_tiny_kernels,
     "tiny-llvm": snippet_tiny_llvm,
