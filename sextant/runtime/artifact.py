@@ -106,14 +106,21 @@ def _node_names(graph: Graph) -> dict[int, str]:
 
 
 def _dumps(obj: Any, width: int = 160) -> str:
-    """Indented JSON with short lists and flat objects on one line, so a person can read it."""
+    """Indented JSON with short lists and flat objects on one line, so a person can read it.
+
+    Only whitespace around line breaks is touched, and a JSON string never holds a raw line
+    break, so string contents (even ones with brackets) cannot change; checked anyway."""
     def collapse(m: re.Match) -> str:
-        one = m[1] + re.sub(r"\s*\n\s*", " ", m[2]).strip() + m[3]
+        inner = re.sub(r"\s*\n\s*", " ", re.sub(r"^\s*\n\s*|\s*\n\s*$", "", m[2]))
+        one = m[1] + inner + m[3]
         return one if len(one) <= width else m[0]
 
     text = json.dumps(obj, indent=1, allow_nan=False)
     text = re.sub(r"(\[)([^\[\]{}]*)(\])", collapse, text)
-    return re.sub(r"(\{)([^{}]*)(\})", collapse, text) + "\n"
+    text = re.sub(r"(\{)([^{}]*)(\})", collapse, text) + "\n"
+    if json.loads(text) != json.loads(json.dumps(obj)):
+        raise AssertionError("compact JSON formatting changed the document")  # a bug here, not in the input
+    return text
 
 
 def _sha256(data: bytes) -> str:
