@@ -204,3 +204,42 @@ def test_run_every_example(example: str) -> None:
     code, out, err = cli("run", example, "--runs", "1", "-q")
     assert code == 0, err
     assert ": OK" in out
+
+
+def test_arch_and_missing_disassembler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sextant.cli.dump.find_disassembler", lambda: None)
+    code, out, _ = cli("compile", f"{USER}:tiny", "--arch", "sm_80", "--dump", "ptx,sass", "-o", str(tmp_path), "-q")
+    assert code == 0
+    assert ".target sm_80" in (tmp_path / "ptx/matmul_0.ptx").read_text()
+    assert "note: sass skipped: neither nvdisasm nor cuobjdump was found" in out
+    assert not (tmp_path / "sass").exists()
+
+
+def test_explain_cpu_has_costs_but_no_registers() -> None:
+    code, out, _ = cli("explain", f"{USER}:tiny", "--target", "cpu", "-q")
+    assert code == 0
+    assert re.search(r"#0\s+matmul_0\s+matmul\s+\d+ blocks x \d+ threads\n", out)
+    assert "regs" not in out and "registers and spills come from ptxas" in out
+    assert "cost:" in out and "FLOP" in out
+
+
+def test_missing_ptxas_is_an_environment_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sextant.codegen.ptxas import PtxasError
+
+    def missing() -> Path:
+        raise PtxasError("ptxas was not found on PATH; install it")
+
+    monkeypatch.setattr("sextant.codegen.ptxas.find_ptxas", missing)
+    code, _, err = cli("compile", "mlp", "-q")
+    assert code == ExitCode.ENVIRONMENT == 4
+    assert "ptxas was not found" in err and "--target cpu" in err
+
+
+def test_internal_error_exits_5(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(spec: str) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("sextant.cli.models.load_model", broken)
+    code, _, err = cli("explain", "mlp", "-q")
+    assert code == ExitCode.INTERNAL == 5
+    assert err.startswith("sextant: error: internal error: RuntimeError: boom") and "report" in err
