@@ -19,9 +19,12 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from sextant.cli.errors import EXIT_CODES_HELP, CliError, ExitCode
+
+if TYPE_CHECKING:
+    from sextant.cli.build import Build
 
 DESCRIPTION = "Compile a PyTorch model with sextant, run it against eager PyTorch, or explain what the compiler did."
 MODEL_HELP = ("a built-in example (mlp, cnn, transformer-block, gpt2) or FILE.py:FACTORY, where FACTORY() returns "
@@ -81,7 +84,7 @@ def _model_dirname(spec: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in spec.rsplit("/", 1)[-1]) or "model"
 
 
-def _cmd_compile(ns: argparse.Namespace, build, out: TextIO) -> int:
+def _cmd_compile(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
     from sextant.cli.dump import parse_stages, write_dump
 
     c = build.compiled
@@ -104,11 +107,9 @@ def _cmd_compile(ns: argparse.Namespace, build, out: TextIO) -> int:
     return ExitCode.OK
 
 
-def _cmd_run(ns: argparse.Namespace, build, out: TextIO) -> int:
+def _cmd_run(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
     from sextant.cli.run import run_and_compare
 
-    if ns.runs < 1:
-        raise CliError("--runs must be at least 1", "e.g. --runs 20", ExitCode.USAGE)
     result = run_and_compare(build, runs=ns.runs, atol=ns.atol, rtol=ns.rtol, seed=ns.seed, out=out)
     if not result.ok:
         raise CliError(f"the compiled model's outputs differ from eager PyTorch: max abs error {result.max_abs:.3g}, "
@@ -118,14 +119,14 @@ def _cmd_run(ns: argparse.Namespace, build, out: TextIO) -> int:
     return ExitCode.OK
 
 
-def _cmd_explain(ns: argparse.Namespace, build, out: TextIO) -> int:
+def _cmd_explain(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
     from sextant.cli.explain import explain
 
     explain(build, out, gpu=ns.gpu)
     return ExitCode.OK
 
 
-def _write_report(build, path: Path, gpu: str, out: TextIO) -> None:
+def _write_report(build: Build, path: Path, gpu: str, out: TextIO) -> None:
     try:
         from sextant.report.html import write_report
     except ImportError as e:
@@ -167,6 +168,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from sextant.cli.dump import parse_stages
 
         parse_stages(ns.dump)  # a typo in --dump is reported before a long compile, not after
+    if ns.command == "run" and ns.runs < 1:
+        raise CliError("--runs must be at least 1", "e.g. --runs 20", ExitCode.USAGE)
     pipeline = parse_pipeline(ns.pipeline)
     _check_gpu_name(ns.gpu)
     progress = Progress(err, enabled=not ns.quiet)

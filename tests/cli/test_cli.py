@@ -143,6 +143,7 @@ def test_verbose_shows_traceback() -> None:
 
 @pytest.mark.parametrize("argv", [["compile", "mlp", "--dump", "bogus"], ["compile", "mlp", "--target", "tpu"],
                                   ["run", "mlp", "--pipeline", "nopass"], ["explain", "mlp", "--gpu", "Z9"],
+                                  ["run", "mlp", "--runs", "0"],
                                   ["frobnicate"], []])
 def test_usage_errors(argv: list[str]) -> None:
     code, _, err = cli(*argv)
