@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +37,9 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
             "tensor or pytree outputs). The original error is attached as __cause__."
         ) from e
     try:
-        return ep.run_decompositions()
+        with warnings.catch_warnings():  # torch's own deepcopy of its treespecs trips its own deprecation
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+            return ep.run_decompositions()
     except Exception as e:
         raise ExportError(f"Core ATen decomposition failed: {type(e).__name__}: {e}") from e
 
