@@ -178,6 +178,18 @@ def snippet_tiny_ptx() -> str:
     return ptx_entry(_tiny_gpu().stages["ptx"].ptx, "reduce_0")
 
 
+def snippet_tiny_ptx_excerpt() -> str:
+    """A short look at the LayerNorm's PTX for the README: the head and the first butterfly."""
+    lines = snippet_tiny_ptx().splitlines()
+    shfl = next(i for i, line in enumerate(lines) if "shfl.sync.bfly" in line)
+    return "\n".join([*lines[:8], "\t...", *lines[shfl - 4:shfl + 11], "\t..."])
+
+
+def snippet_tiny_captured_head() -> str:
+    lines = snippet_tiny_captured().splitlines()
+    return "\n".join([*lines[:10], "  ...", *lines[-3:]])
+
+
 def snippet_tiny_ptxas() -> str:
     log = _tiny_gpu().stages["ptxas"].log.strip().splitlines()
     return "\n".join(line for line in log if "Compile time" not in line)  # the rest is deterministic
@@ -187,6 +199,8 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "tiny-gpu-schedule": snippet_tiny_gpu_schedule,
     "tiny-gpu-kernel": snippet_tiny_gpu_kernel,
     "tiny-ptx": snippet_tiny_ptx,
+    "tiny-ptx-excerpt": snippet_tiny_ptx_excerpt,
+    "tiny-captured-head": snippet_tiny_captured_head,
     "tiny-ptxas": snippet_tiny_ptxas,
     "tiny-schedule": snippet_tiny_schedule,
     "tiny-kernels": snippet_tiny_kernels,
