@@ -151,7 +151,42 @@ def partition(graph: Graph) -> list[Group]:
         g.members.sort(key=lambda m: order[id(m)])
         g.outputs = [m for m in g.members if id(m) in stored]
     groups.sort(key=lambda g: max(order[id(m)] for m in g.members))
-    return groups
+    return _dependency_order(groups, group_of)
+
+
+def _dependency_order(groups: list[Group], group_of: dict[int, Group]) -> list[Group]:
+    """``groups`` (in their given order where free) with every group after the groups it reads.
+
+    The position of a group's last member is not enough: an epilogue joined to a reduction
+    (``softmax * 2``) can come after a matmul that consumes the softmax, which would then be
+    launched before its operand was computed."""
+    index = {id(g): i for i, g in enumerate(groups)}
+
+    def reads(g: Group) -> set[int]:
+        found: set[int] = set()
+        stack, seen = [i for m in g.members for i in m.inputs], set()
+        while stack:
+            x = stack.pop()
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            h = group_of.get(id(x))
+            if h is None:  # inlined into g: computed from its own operands
+                stack.extend(x.inputs)
+            elif h is not g:
+                found.add(index[id(h)])
+        return found
+
+    deps = [reads(g) for g in groups]
+    done: set[int] = set()
+    out: list[Group] = []
+    while len(out) < len(groups):
+        i = next((i for i in range(len(groups)) if i not in done and deps[i] <= done), None)
+        if i is None:  # a fusion bug: the joins are meant to keep the groups acyclic
+            raise AssertionError(f"fused groups depend on each other in a cycle: {[g.anchor for g in groups]}")
+        done.add(i)
+        out.append(groups[i])
+    return out
 
 
 def _join_reduce_group(n: Node, group_of: dict[int, Group], groups: list[Group]) -> Group | None:
