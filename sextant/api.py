@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TextIO
 
 import torch
@@ -14,6 +16,10 @@ from sextant.graph.reference import run_graph
 from sextant.runtime.compiled import CompiledModule
 
 TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
+# ``progress(stage)`` returns a context manager that brackets one compile stage (for progress
+# lines and timings, e.g. the ``sextant`` command's); the stage names are these:
+STAGES = ("capture", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu", "load")
+StageHook = Callable[[str], AbstractContextManager[Any]]
 PLANNED_TARGETS: tuple[str, ...] = ()
 
 
@@ -27,6 +33,7 @@ def compile(  # mirrors torch.compile
     pipeline: str | Sequence[str] = "default",
     print_after_all: bool = False,
     stream: TextIO = sys.stdout,
+    progress: StageHook | None = None,
 ) -> CompiledModule:
     """Compile ``module`` for inputs shaped like ``args``/``kwargs``; returns a callable like the module.
 
@@ -37,6 +44,8 @@ def compile(  # mirrors torch.compile
     assembled by ptxas) and runs those same kernels on the CPU through the SIMT lowering;
     ``target="cuda"`` runs them on the current CUDA device, taking and returning torch CUDA tensors.
     ``arch`` defaults to sm_90 for cuda-sim and to the device's compute capability for cuda.
+    ``progress``, if given, is entered around each stage (see ``STAGES``) — the hook the
+    ``sextant`` command uses to print what is running and how long it took.
     """
     if target not in TARGETS:
         if target in PLANNED_TARGETS:
@@ -50,19 +59,22 @@ def compile(  # mirrors torch.compile
         require_cuda()
     from sextant.graph.passes import run_pipeline
 
-    captured = capture(module, args, kwargs)
-    graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
+    step = progress or (lambda _: contextlib.nullcontext())
+    with step("capture"):
+        captured = capture(module, args, kwargs)
+    with step("passes"):
+        graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     stages: dict[str, Any] = {"captured": captured}
     if target == "reference":
         return CompiledModule(graph, target, lambda xs: run_graph(graph, xs), stages=stages)
     if target == "cuda-sim":
-        return _compile_cuda_sim(graph, stages, arch or "sm_90")
+        return _compile_cuda_sim(graph, stages, arch or "sm_90", step)
     if target == "cuda":
-        return _compile_cuda(graph, stages, arch)
-    return _compile_cpu(graph, stages)
+        return _compile_cuda(graph, stages, arch, step)
+    return _compile_cpu(graph, stages, step)
 
 
-def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str) -> CompiledModule:
+def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: StageHook) -> CompiledModule:
     from sextant.codegen.llvm_cpu import compile_kernels
     from sextant.codegen.llvm_nvptx import emit_ptx
     from sextant.codegen.ptxas import assemble
@@ -70,17 +82,21 @@ def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str) -> Compil
     from sextant.schedule.program import schedule
     from sextant.schedule.target import gpu_target
 
-    program = schedule(graph, gpu_target(arch))
+    with step("schedule"):
+        program = schedule(graph, gpu_target(arch))
     kernels = list(program.kernels.values())
-    ptx = emit_ptx(kernels, arch=arch)
-    stages.update(program=program, ptx=ptx, ptxas=assemble(ptx.ptx, arch))
+    with step("nvptx"):
+        ptx = emit_ptx(kernels, arch=arch)
+    with step("ptxas"):
+        stages.update(program=program, ptx=ptx, ptxas=assemble(ptx.ptx, arch))
     program.resources = dict(stages["ptxas"].kernels)
-    module = compile_kernels(kernels)
+    with step("llvm-cpu"):
+        module = compile_kernels(kernels)
     stages["cpu_module"] = module
     return CompiledModule(graph, "cuda-sim", ProgramRunner(program, module.launch), stages=stages)
 
 
-def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None) -> CompiledModule:
+def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: StageHook) -> CompiledModule:
     """As cuda-sim up to the PTX; then ptxas's cubin is loaded when ptxas is installed (else the
     driver JIT-compiles the PTX) and the kernels run on the GPU (see sextant/runtime/cuda.py)."""
     from sextant.codegen.llvm_nvptx import emit_ptx
@@ -91,29 +107,35 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None) -> Com
 
     device = require_cuda()
     arch = arch or device_arch(device)
-    program = schedule(graph, gpu_target(arch))
-    ptx = emit_ptx(list(program.kernels.values()), arch=arch)
+    with step("schedule"):
+        program = schedule(graph, gpu_target(arch))
+    with step("nvptx"):
+        ptx = emit_ptx(list(program.kernels.values()), arch=arch)
     stages.update(program=program, ptx=ptx)
     cubin = None  # without ptxas (or one too old for this GPU) the driver JIT-compiles the PTX
     try:
-        stages["ptxas"] = assemble(ptx.ptx, arch)
+        with step("ptxas"):
+            stages["ptxas"] = assemble(ptx.ptx, arch)
         cubin = stages["ptxas"].cubin
         program.resources = dict(stages["ptxas"].kernels)
     except PtxasError as e:
         stages["ptxas_error"] = str(e)
-    runner = load_runner(program, ptx.ptx, cubin, arch, device)
+    with step("load"):
+        runner = load_runner(program, ptx.ptx, cubin, arch, device)
     stages["runner"] = runner
     return CompiledModule(graph, "cuda", runner, stages=stages, device="cuda")
 
 
-def _compile_cpu(graph: Graph, stages: dict[str, Any]) -> CompiledModule:
+def _compile_cpu(graph: Graph, stages: dict[str, Any], step: StageHook) -> CompiledModule:
     from sextant.codegen.llvm_cpu import compile_kernels
     from sextant.runtime.program_runner import ProgramRunner
     from sextant.schedule.program import schedule
     from sextant.schedule.target import cpu_target
 
-    program = schedule(graph, cpu_target())
-    module = compile_kernels(list(program.kernels.values()))
+    with step("schedule"):
+        program = schedule(graph, cpu_target())
+    with step("llvm-cpu"):
+        module = compile_kernels(list(program.kernels.values()))
     stages.update(program=program, cpu_module=module)
     runner = ProgramRunner(program, module.launch)
     return CompiledModule(graph, "cpu", runner, stages=stages)

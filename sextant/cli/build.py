@@ -116,9 +116,8 @@ def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline:
     progress.note(f"compiling {model.name} ({type(model.module).__name__}) for {compile_target}"
                   + (f" {arch}" if arch and compile_target in GPU_TARGETS else ""))
     t0 = time.perf_counter()
-    with progress.watch_compile():
-        compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
-                                   arch=arch, pipeline=pipeline)
+    compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
+                               arch=arch, pipeline=pipeline, progress=progress.stage)
     seconds = time.perf_counter() - t0
     progress.note(f"compiled in {seconds:.2f} s")
     ptx = compiled.stages.get("ptx")

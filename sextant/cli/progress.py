@@ -1,30 +1,28 @@
 """Progress lines on stderr while ``sextant.compile`` works through its stages.
 
 ``sextant.compile`` is one call; to show which stage is running (torch.export and LLVM can take
-seconds each) the command wraps the pipeline's stage functions for the duration of the call and
-prints a line as each one starts and finishes. Nothing about what they compute changes, and a
-stage the pipeline does not reach (or reaches under another name) is simply not shown.
+seconds each) the command passes :meth:`Progress.stage` as its ``progress`` hook, which brackets
+each stage: a line when it starts, its time when it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import sys
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from collections.abc import Iterator
+from typing import TextIO
 
-# (module, function, label): the functions sextant.compile calls, looked up by module attribute
-STAGES: tuple[tuple[str, str, str], ...] = (
-    ("sextant.api", "capture", "capture: torch.export -> graph IR"),
-    ("sextant.graph.passes", "run_pipeline", "graph passes"),
-    ("sextant.schedule.program", "schedule", "schedule: fusion, memory plan"),
-    ("sextant.codegen.llvm_nvptx", "emit_ptx", "codegen: LLVM NVPTX -> PTX"),
-    ("sextant.codegen.ptxas", "assemble", "ptxas: PTX -> cubin"),
-    ("sextant.codegen.llvm_cpu", "compile_kernels", "codegen: LLVM -> x86 JIT"),
-)
+# what each of ``sextant.compile``'s stages (``sextant.api.STAGES``) is called on the terminal
+LABELS: dict[str, str] = {
+    "capture": "capture: torch.export -> graph IR",
+    "passes": "graph passes",
+    "schedule": "schedule: fusion, memory plan",
+    "nvptx": "codegen: LLVM NVPTX -> PTX",
+    "ptxas": "ptxas: PTX -> cubin",
+    "llvm-cpu": "codegen: LLVM -> x86 JIT",
+    "load": "load: CUDA module, constants, CUDA graph",
+}
 
 
 class Progress:
@@ -62,29 +60,6 @@ class Progress:
         if self.enabled:
             print(text, file=self.stream, flush=True)
 
-    @contextlib.contextmanager
-    def watch_compile(self) -> Iterator[None]:
-        """Report each stage of the compile pipeline while the block runs."""
-        patched: list[tuple[Any, str, Callable]] = []
-        try:
-            for mod_name, attr, label in STAGES:
-                try:
-                    mod = importlib.import_module(mod_name)
-                except ImportError:
-                    continue
-                fn = getattr(mod, attr, None)
-                if callable(fn):
-                    patched.append((mod, attr, fn))
-                    setattr(mod, attr, self._wrap(fn, label))
-            yield
-        finally:
-            for mod, attr, fn in reversed(patched):
-                setattr(mod, attr, fn)
-
-    def _wrap(self, fn: Callable, label: str) -> Callable:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self.step(label):
-                return fn(*args, **kwargs)
-
-        return wrapper
+    def stage(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """The ``progress`` hook for ``sextant.compile``: one line per compile stage."""
+        return self.step(LABELS.get(name, name))

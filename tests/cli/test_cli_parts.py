@@ -10,7 +10,7 @@ import torch
 from sextant.cli.dump import STAGES, parse_stages, split_ptx
 from sextant.cli.errors import CliError, ExitCode
 from sextant.cli.explain import op_delta, si
-from sextant.cli.progress import Progress
+from sextant.cli.progress import LABELS, Progress
 from sextant.cli.run import compare, fresh_inputs
 from sextant.cli.sass import split_sass
 from sextant.graph.builder import GraphBuilder
@@ -127,12 +127,23 @@ def test_progress_lines() -> None:
     assert quiet.getvalue() == ""
 
 
-def test_watch_compile_restores_stage_functions() -> None:
-    import sextant.api
-    import sextant.schedule.program
+def test_progress_hook_brackets_every_compile_stage() -> None:
+    """``sextant.compile(progress=...)`` enters the hook around each stage, in pipeline order."""
+    import sextant
+    from sextant.api import STAGES
+    from sextant.examples import EXAMPLES
 
-    before = (sextant.api.capture, sextant.schedule.program.schedule)
-    p = Progress(io.StringIO())
-    with p.watch_compile():
-        assert sextant.schedule.program.schedule is not before[1]
-    assert (sextant.api.capture, sextant.schedule.program.schedule) == before
+    stream = io.StringIO()
+    p = Progress(stream)
+    seen: list[str] = []
+
+    def hook(name: str):
+        seen.append(name)
+        return p.stage(name)
+
+    sextant.compile(*EXAMPLES["mlp"](), target="cuda-sim", progress=hook)
+    assert seen == ["capture", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu"]
+    assert set(seen) <= set(STAGES)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == len(seen) and all(line.rstrip().endswith(" s") for line in lines)
+    assert set(p.timings) == {LABELS[s] for s in seen}
