@@ -101,6 +101,9 @@ def _machine() -> str:
             f"{torch.get_num_threads()} torch threads")
 
 
+HAND_WRITTEN = "<!-- hand-written below: kept when make bench rewrites the table -->"
+
+
 def to_markdown(rows: list[dict[str, object]]) -> str:
     def f(v: object, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "–"
@@ -148,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table)
     if ns.out:
-        Path(ns.out).write_text(text)
+        out = Path(ns.out)
+        old = out.read_text() if out.exists() else ""
+        keep = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""  # the analysis is kept
+        out.write_text(text + ("\n" + keep if keep else ""))
     return 0
 
 
