@@ -21,6 +21,10 @@ sequence of **phases**, and each phase is wrapped in its own loop over the block
   phase stay scalars. ``local`` buffers used by more than one phase, or in a phase that runs
   repeatedly inside a uniform loop, become per-thread arrays too.
 
+* Barriers leave no trace in the plan unless asked (``mark_barriers``): then a :class:`Sync`
+  marks each, because the race checker (``race_check``) must tell a barrier, which orders
+  shared memory, from a phase boundary cut by a ``WarpReduce``, which does not.
+
 This module only analyses the kernel IR; ``llvm_cpu`` emits the loops.
 """
 
