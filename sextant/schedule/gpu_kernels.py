@@ -5,7 +5,8 @@ Kernel``, the same canonical buffers (``in0..``, ``out0..``), the same fusion an
 inlined indexing (``ValueEmitter``), so deduplication, launches and the memory plan don't
 change. Only the mapping onto the machine differs: many threads per block, consecutive
 threads on consecutive elements of the innermost dimension (coalesced global accesses), warp
-shuffles and shared memory for reductions, shared-memory tiles for matmul.
+shuffles and shared memory for reductions, shared-memory tiles for matmul and (``gpu_conv.py``,
+an implicit GEMM built from the same :class:`GemmTiles`) convolution.
 
 The parameters are tuned for ``sm90_target()`` (warps of 32, 48 KiB of static shared memory,
 at most 1024 threads a block) and read from the target where they depend on it. Every kernel
@@ -65,7 +66,7 @@ TID_X, TID_Y = Special("tid", "x"), Special("tid", "y")
 BID_X, BID_Y, BID_Z = Special("bid", "x"), Special("bid", "y"), Special("bid", "z")
 MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (gridDim.x goes to 2**31 - 1)
 
-# elementwise and conv: one thread per output element
+# elementwise and the direct conv fallback: one thread per output element
 ELEMENTWISE_THREADS = 256  # 8 warps: enough to hide latency, small enough for 8 blocks per SM
 CONV_THREADS = 256
 
@@ -406,6 +407,127 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
     return Kernel(name, tuple(params), (blocks, 1, 1), block, tuple(e.stmts), shared=tuple(shared), meta=meta)
 
 
+# -- tiled GEMM pieces (the matmul and the implicit-GEMM convolution) -----------------------------------
+TileElement = Callable[[Expr, Expr], tuple[list[Expr], Callable[[], Expr]]]
+"""``(row, column)`` of an operand element → (extra conditions under which it is loaded rather than
+zero, e.g. a convolution's padding; a thunk emitting its value, run under those conditions)."""
+
+
+class GemmTiles:
+    """The shared-memory tiled GEMM ``C[i, j] = Σ_k A[i, k]·B[k, j]`` of one thread block, as pieces
+    that the matmul and the implicit-GEMM convolution (``gpu_conv.py``) assemble the same way: the
+    operands differ only in how an element ``(row, column)`` is found (:data:`TileElement`), C only
+    in where its elements are stored. Tile sizes, layouts and their reasoning: :func:`gpu_matmul_kernel`.
+
+    Use: :meth:`start` (the block's tile origin), :meth:`k_loop` with a callback that calls
+    :meth:`load_tile` for ``As`` and ``Bs``, then :meth:`store` with the epilogue."""
+
+    def __init__(self, e: ValueEmitter, acc_t: DType) -> None:
+        self.e, self.acc_t = e, acc_t
+        self.zero = Const(0.0 if acc_t.is_float else 0, acc_t)
+        self.a_tile = Buffer("As", acc_t, MM_TILE_M * MM_TILE_K, "shared")
+        self.b_tile = Buffer("Bs", acc_t, MM_TILE_K * MM_TILE_N, "shared")
+        self.acc = Buffer("acc", acc_t, MM_MICRO_M * MM_MICRO_N, "local")
+
+    def as_acc(self, v: Expr) -> Expr:
+        """``v`` in the accumulator type (half-precision operands are widened as tiles load)."""
+        return v if v.dtype == self.acc_t else Cast(v, self.acc_t)
+
+    def start(self, bm: Expr, bn: Expr) -> tuple[Expr, Expr]:
+        """The linear thread id, and the first row and column of the block's C tile."""
+        e = self.e
+        self.t = e.bind(iadd(imul(TID_Y, MM_THREADS_X), TID_X), "t")
+        i0 = e.bind(imul(bm, MM_TILE_M), "i0")
+        j0 = e.bind(imul(bn, MM_TILE_N), "j0")
+        return i0, j0
+
+    def load_tile(self, buf: str, rows: int, cols: int, row0: Expr, col0: Expr, row_lim: int, col_lim: int,
+                  element: TileElement) -> None:
+        """``buf[r, c] = operand[row0 + r, col0 + c]`` (0 outside ``row_lim × col_lim`` or where the
+        element's own conditions fail), ``rows*cols/threads`` elements a thread: thread ``t`` takes
+        column ``t % cols`` of rows ``t // cols + p·threads/cols``."""
+        e, threads = self.e, MM_THREADS_X * MM_THREADS_Y
+        assert threads % cols == 0 and rows * cols % threads == 0
+        ct = e.bind(imod(self.t, cols), "tc")
+        rt = e.bind(idiv(self.t, cols), "tr")
+        gc = e.bind(iadd(col0, ct), "gc")
+        for p in range(rows * cols // threads):
+            r = iadd(rt, c(p * threads // cols))
+            gr = e.bind(iadd(row0, r), "gr")
+            slot = iadd(imul(r, cols), ct)
+            extra, value = element(gr, gc)
+            guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((gr, row_lim, rows), (gc, col_lim, cols))
+                          if lim % tile] + extra)
+
+            def load(slot: Expr = slot, value: Callable[[], Expr] = value) -> None:
+                e.emit(Store(buf, slot, self.as_acc(value())))
+
+            _guarded(e, guard, load, lambda slot=slot: e.emit(Store(buf, slot, self.zero)))
+
+    def k_loop(self, k: int, load_tiles: Callable[[Expr], None]) -> None:
+        """Zero the micro-tile, then per K step of ``MM_TILE_K``: ``load_tiles(k0)`` fills ``As`` and
+        ``Bs``, ``Barrier``, the unrolled rank-1 updates from shared memory, ``Barrier``."""
+        e, acc_t = self.e, self.acc_t
+        tk, tn, nx, ny, rm, rn = MM_TILE_K, MM_TILE_N, MM_THREADS_X, MM_THREADS_Y, MM_MICRO_M, MM_MICRO_N
+        _strided_loop(e, c(0), rm * rn, 1, lambda u: e.emit(Store("acc", u, self.zero)), "u", unroll=True)
+        a_rows = [e.bind(imul(iadd(TID_Y, c(ny * i)), tk), "ar") for i in range(rm)]  # As row offsets
+        b_cols = [e.bind(iadd(TID_X, c(nx * j)), "bc") for j in range(rn)]  # Bs columns
+
+        def k_tile(kt: Var) -> None:
+            k0 = e.bind(imul(kt, tk), "k0")
+            load_tiles(k0)
+            e.emit(Barrier())
+
+            def rank1(kk: Var) -> None:
+                av = [e.bind(Load("As", iadd(a_rows[i], kk), acc_t), "a") for i in range(rm)]
+                brow = e.bind(imul(kk, tn), "kb")
+                bv = [e.bind(Load("Bs", iadd(brow, b_cols[j]), acc_t), "b") for j in range(rn)]
+                for i in range(rm):
+                    for j in range(rn):
+                        slot = c(i * rn + j)
+                        e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
+                                                         Binary("mul", av[i], bv[j], acc_t), acc_t)))
+
+            _strided_loop(e, c(0), tk, 1, rank1, "kk", unroll=True)
+            e.emit(Barrier())
+
+        _strided_loop(e, c(0), -(-k // tk), 1, k_tile, "kt")
+
+    def store(self, i0: Expr, j0: Expr, m: int, n: int, out: Node, store: Callable[[Expr, Expr], None]) -> None:
+        """Per element of the thread's micro-tile inside the ``m × n`` result: bind ``out`` (the
+        contraction node) to the accumulator, rounded to its dtype, and call ``store(row, col)``
+        (the fused epilogue and its stores)."""
+        e, acc_t, nx, ny, rn = self.e, self.acc_t, MM_THREADS_X, MM_THREADS_Y, MM_MICRO_N
+
+        def out_row(i: Var) -> None:
+            row = e.bind(iadd(iadd(i0, TID_Y), imul(i, ny)), "row")
+
+            def out_col(j: Var) -> None:
+                col = e.bind(iadd(iadd(j0, TID_X), imul(j, nx)), "col")
+                guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((row, m, MM_TILE_M), (col, n, MM_TILE_N))
+                              if lim % tile])
+
+                def element() -> None:
+                    value = Load("acc", iadd(imul(i, rn), j), acc_t)
+                    e.regs[id(out)] = e.bind(value if acc_t == out.dtype else Cast(value, out.dtype), "c")
+                    store(row, col)
+                    e.regs.pop(id(out))
+
+                _guarded(e, guard, element)
+
+            _strided_loop(e, c(0), rn, 1, out_col, "j", unroll=True)
+
+        _strided_loop(e, c(0), MM_MICRO_M, 1, out_row, "i", unroll=True)
+
+    def kernel(self, name: str, params: list[Buffer], grid: tuple[int, int, int], target: TargetDesc,
+               meta: dict) -> Kernel:
+        """The finished kernel: block 16×16, the two shared tiles, the register micro-tile."""
+        shared = (self.a_tile, self.b_tile)
+        _check_shared(name, list(shared), target)
+        return Kernel(name, tuple(params), grid, (MM_THREADS_X, MM_THREADS_Y, 1), tuple(self.e.stmts),
+                      shared=shared, local=(self.acc,), meta=meta)
+
+
 # -- matmul ---------------------------------------------------------------------------------------------
 def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """C[b, i, j] = Σ_k A[b, i, k]·B[b, k, j], shared-memory tiled, epilogue fused into the store.
@@ -429,113 +551,47 @@ def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
     * The epilogue (bias, activation, residual, ...) runs per element of the micro-tile, under a
       guard for tiles cut by the matrix edge.
     * Grid: (column tiles, row tiles, batch) — the batch dims in grid z (folded into x beyond
-      CUDA's 65535 limit)."""
+      CUDA's 65535 limit).
+
+    The pieces are :class:`GemmTiles`, shared with the implicit-GEMM convolution."""
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape
     n = b.shape[-1]
     nb = math.prod(batch)
     e, params, _ = _setup(group, stored)
-    acc_t = accum_dtype(mm.dtype)
-    zero = Const(0.0 if acc_t.is_float else 0, acc_t)
-    tm, tn, tk, nx, ny = MM_TILE_M, MM_TILE_N, MM_TILE_K, MM_THREADS_X, MM_THREADS_Y
-    rm, rn = MM_MICRO_M, MM_MICRO_N
-    threads = nx * ny
-    a_tile = Buffer("As", acc_t, tm * tk, "shared")
-    b_tile = Buffer("Bs", acc_t, tk * tn, "shared")
-    acc = Buffer("acc", acc_t, rm * rn, "local")
-    grid, (bn, bm, bz) = _grid(e, (-(-n // tn), -(-m // tm), nb))
-    meta = {"mapping": "tiled", "tile": (tm, tn, tk), "micro_tile": (rm, rn)}
+    tiles = GemmTiles(e, accum_dtype(mm.dtype))
+    grid, (bn, bm, bz) = _grid(e, (-(-n // MM_TILE_N), -(-m // MM_TILE_M), nb))
+    meta = {"mapping": "tiled", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K), "micro_tile": (MM_MICRO_M, MM_MICRO_N)}
     if not mm.type.numel:
-        return Kernel(name, tuple(params), grid, (nx, ny, 1), (), meta=meta)
+        return Kernel(name, tuple(params), grid, (MM_THREADS_X, MM_THREADS_Y, 1), (), meta=meta)
     bidx = delinearize(bz, batch) if batch else ()
-    t = e.bind(iadd(imul(TID_Y, nx), TID_X), "t")
-    i0 = e.bind(imul(bm, tm), "i0")
-    j0 = e.bind(imul(bn, tn), "j0")
+    i0, j0 = tiles.start(bm, bn)
 
-    def as_acc(v: Expr) -> Expr:
-        return v if v.dtype == acc_t else Cast(v, acc_t)
+    def operand(x: Node) -> TileElement:
+        return lambda r, col: ([], lambda: e.value(x, (*bidx, r, col)))
 
-    def load_tile(buf: str, operand: Node, rows: int, cols: int, row0: Expr, col0: Expr,
-                  row_lim: int, col_lim: int) -> None:
-        """``buf[r, c] = operand[row0 + r, col0 + c]`` (0 outside), ``rows*cols/threads`` elements
-        a thread: thread ``t`` takes column ``t % cols`` of rows ``t // cols + p·threads/cols``."""
-        assert threads % cols == 0 and rows * cols % threads == 0
-        ct = e.bind(imod(t, cols), "tc")
-        rt = e.bind(idiv(t, cols), "tr")
-        gc = e.bind(iadd(col0, ct), "gc")
-        for p in range(rows * cols // threads):
-            r = iadd(rt, c(p * threads // cols))
-            gr = e.bind(iadd(row0, r), "gr")
-            slot = iadd(imul(r, cols), ct)
-            guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((gr, row_lim, rows), (gc, col_lim, cols))
-                          if lim % tile])
+    def load_tiles(k0: Expr) -> None:
+        tiles.load_tile("As", MM_TILE_M, MM_TILE_K, i0, k0, m, k, operand(a))
+        tiles.load_tile("Bs", MM_TILE_K, MM_TILE_N, k0, j0, k, n, operand(b))
 
-            def load(gr: Expr = gr, slot: Expr = slot) -> None:
-                e.emit(Store(buf, slot, as_acc(e.value(operand, (*bidx, gr, gc)))))
-
-            _guarded(e, guard, load, lambda slot=slot: e.emit(Store(buf, slot, zero)))
-
-    _strided_loop(e, c(0), rm * rn, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
-    a_rows = [e.bind(imul(iadd(TID_Y, c(ny * i)), tk), "ar") for i in range(rm)]  # As row offsets
-    b_cols = [e.bind(iadd(TID_X, c(nx * j)), "bc") for j in range(rn)]  # Bs columns
-
-    def k_tile(kt: Var) -> None:
-        k0 = e.bind(imul(kt, tk), "k0")
-        load_tile("As", a, tm, tk, i0, k0, m, k)
-        load_tile("Bs", b, tk, tn, k0, j0, k, n)
-        e.emit(Barrier())
-
-        def rank1(kk: Var) -> None:
-            av = [e.bind(Load("As", iadd(a_rows[i], kk), acc_t), "a") for i in range(rm)]
-            brow = e.bind(imul(kk, tn), "kb")
-            bv = [e.bind(Load("Bs", iadd(brow, b_cols[j]), acc_t), "b") for j in range(rn)]
-            for i in range(rm):
-                for j in range(rn):
-                    slot = c(i * rn + j)
-                    e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
-                                                     Binary("mul", av[i], bv[j], acc_t), acc_t)))
-
-        _strided_loop(e, c(0), tk, 1, rank1, "kk", unroll=True)
-        e.emit(Barrier())
-
-    _strided_loop(e, c(0), -(-k // tk), 1, k_tile, "kt")
-
-    def out_row(i: Var) -> None:
-        row = e.bind(iadd(iadd(i0, TID_Y), imul(i, ny)), "row")
-
-        def out_col(j: Var) -> None:
-            col = e.bind(iadd(iadd(j0, TID_X), imul(j, nx)), "col")
-            guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((row, m, tm), (col, n, tn)) if lim % tile])
-
-            def store() -> None:
-                value = Load("acc", iadd(imul(i, rn), j), acc_t)
-                e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
-                _store_epilogue(e, group, (*bidx, row, col))
-                e.regs.pop(id(mm))
-
-            _guarded(e, guard, store)
-
-        _strided_loop(e, c(0), rn, 1, out_col, "j", unroll=True)
-
-    _strided_loop(e, c(0), rm, 1, out_row, "i", unroll=True)
-    _check_shared(name, [a_tile, b_tile], target)
-    return Kernel(name, tuple(params), grid, (nx, ny, 1), tuple(e.stmts), shared=(a_tile, b_tile), local=(acc,),
-                  meta=meta)
+    tiles.k_loop(k, load_tiles)
+    tiles.store(i0, j0, m, n, mm, lambda row, col: _store_epilogue(e, group, (*bidx, row, col)))
+    return tiles.kernel(name, params, grid, target, meta)
 
 
 # -- convolution ----------------------------------------------------------------------------------------
-def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    """Direct convolution, one thread per output element (the simplest correct mapping): thread
-    ``i = bid.x * 256 + tid.x`` computes output element ``i`` (consecutive threads on consecutive
-    output columns, so output stores and input reads along the width are coalesced; the weights
-    are the same for most threads of a warp, a broadcast), summing over its group's input
-    channels and the kernel window as ``conv_accumulate`` does for the CPU, then runs the fused
-    epilogue. 256 threads a block, guarded by ``if i < numel``.
+def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """Direct convolution, one thread per output element: thread ``i = bid.x * 256 + tid.x``
+    computes output element ``i`` (consecutive threads on consecutive output columns, so output
+    stores and input reads along the width are coalesced; the weights are the same for most
+    threads of a warp, a broadcast), summing over its group's input channels and the kernel
+    window as ``conv_accumulate`` does for the CPU, then runs the fused epilogue. 256 threads a
+    block, guarded by ``if i < numel``.
 
-    Future work: implicit GEMM (the im2col view of the input as the A operand of the tiled
-    matmul mapping, staged through shared memory), which reuses each loaded input and weight
-    across a tile instead of re-reading them from L1/L2 per output."""
+    The fallback of :func:`sextant.schedule.gpu_conv.gpu_conv_kernel` for convolutions with
+    fewer than ``CONV_GEMM_MIN_CHANNELS`` output channels per group (depthwise ones), where the
+    implicit GEMM's 64-row tiles would be mostly empty."""
     cv = group.anchor
     e, params, _ = _setup(group, stored)
     numel = cv.type.numel
@@ -556,6 +612,8 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts),
                   meta={"mapping": "thread-per-element"})
 
+
+from sextant.schedule.gpu_conv import gpu_conv_kernel  # noqa: E402  (built from GemmTiles above)
 
 GPU_MAPPINGS = {
     "elementwise": gpu_elementwise_kernel,

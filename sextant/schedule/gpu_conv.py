@@ -1,0 +1,136 @@
+"""GPU convolution as an implicit GEMM: the tiled matmul mapping with the im2col matrix never stored.
+
+A convolution group (1-D, 2-D or 3-D; transposed convolutions reach the scheduler as ordinary
+convolutions of a zero-interleaved, padded input, which is inlined index arithmetic here too)
+becomes, per channel group ``g``, the product
+
+    C[co, m] = Σ_k W[g·Cout_g + co, k] · X[k, m]
+
+with ``m`` the output position ``(n, o_1, .., o_d)`` (all images and all output positions) and ``k``
+the reduction ``(ci, kk_1, .., kk_d)`` over the group's input channels and the kernel window. ``X`` is
+the im2col matrix: ``X[k, m]`` is the input at channel ``g·Cin_g + ci`` and spatial position
+``o·stride − padding + kk·dilation``, or 0 in the padding. It is read straight from the input when
+the tile is staged into shared memory, so it costs no memory and no extra kernel.
+
+Tiles, micro-tiles and barriers are those of the matmul (:class:`~sextant.schedule.gpu_kernels.GemmTiles`);
+only the operand indexing and the output's NCHW store differ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sextant.kernel.ir import Expr, Kernel
+from sextant.schedule.gpu_kernels import (
+    MM_MICRO_M,
+    MM_MICRO_N,
+    MM_THREADS_X,
+    MM_THREADS_Y,
+    MM_TILE_K,
+    MM_TILE_M,
+    MM_TILE_N,
+    GemmTiles,
+    TileElement,
+    _bool,
+    _grid,
+    gpu_direct_conv_kernel,
+)
+from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul
+from sextant.schedule.kernels import _setup, _store_epilogue
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+# Below this many output channels per group the 64-row tiles are mostly empty: the direct mapping
+# (one thread per output) is used instead. At 4, a 256-thread block already computes 64 positions
+# × 4 channels = 256 outputs, as many as a direct block, and reuses each loaded input 4 times.
+CONV_GEMM_MIN_CHANNELS = 4
+
+
+def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """Convolution as an implicit GEMM through shared-memory tiles, epilogue fused into the store.
+
+    * **Which operand is which.** GEMM rows are output channels of the group, columns are output
+      positions (``N·OH·OW``: images are columns too, so a 1×1 conv over small images still
+      fills the tiles), ``K = Cin_g·KH·KW``. This orientation lets the matmul's tile layouts serve
+      unchanged: the A tile (64 channels × 16 k) is read along a weight row, contiguous in memory
+      (``W[co, ci, kh, kw]`` is row-major over ``k``), and the B tile (16 k × 64 positions) with
+      consecutive threads on consecutive output positions — consecutive input addresses for
+      stride 1 (coalesced) — and the epilogue's stores, along the columns, are coalesced in the
+      NCHW output. (The other orientation, positions as rows, would store with a stride of
+      ``OH·OW`` between neighbouring threads.)
+    * **Tiles.** As for the matmul: a 16×16-thread block owns 64 channels × 64 positions, each
+      thread a 4×4 register micro-tile (16 FMAs per 8 shared loads); K steps by 16 through 2 × 4 KiB
+      of shared memory (f32 tiles; f16/bf16 inputs are widened as they are staged and accumulate in
+      f32, rounded once at the store), ``Barrier`` after the loads and after the rank-1 updates.
+    * **Padding, stride, dilation** live in the B tile's load: the input position of ``(k, m)``
+      is ``o·stride − padding + kk·dilation``; where it falls in the padding the load is skipped
+      and the tile slot gets a zero, like the guards at ragged tile edges (channels, positions
+      and K that are not multiples of the tile). Dims without padding need no such check.
+    * **Groups** are grid z: block ``(x, y, g)`` computes position tile ``x`` and channel tile
+      ``y`` of group ``g`` (folded into x beyond CUDA's 65535 limit on y and z).
+    * **Epilogue**: bias, BatchNorm's scale and shift, activation, residual — per element of the
+      micro-tile at output index ``(n, g·Cout_g + co, o…)``.
+
+    Falls back to the direct mapping (:func:`~sextant.schedule.gpu_kernels.gpu_direct_conv_kernel`)
+    below ``CONV_GEMM_MIN_CHANNELS`` output channels per group — depthwise convolutions, where all
+    but one row of each 64-row tile would be zeros."""
+    cv = group.anchor
+    x, w = cv.inputs
+    groups: int = cv.attr("groups")
+    cout_g, cin_g, ksp = w.shape[0] // groups, w.shape[1], tuple(w.shape[2:])
+    if cout_g < CONV_GEMM_MIN_CHANNELS:
+        return gpu_direct_conv_kernel(group, stored, target, name)
+    stride, padding, dilation = (cv.attr(a) for a in ("stride", "padding", "dilation"))
+    nb, osp, isp = cv.shape[0], tuple(cv.shape[2:]), tuple(x.shape[2:])
+    positions, k = nb * math.prod(osp), cin_g * math.prod(ksp)
+    e, params, _ = _setup(group, stored)
+    tiles = GemmTiles(e, accum_dtype(cv.dtype))
+    grid, (bn, bm, g) = _grid(e, (-(-positions // MM_TILE_N), -(-cout_g // MM_TILE_M), groups))
+    meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
+            "micro_tile": (MM_MICRO_M, MM_MICRO_N), "gemm": (cout_g, positions, k), "groups": groups}
+    if not cv.type.numel:
+        return Kernel(name, tuple(params), grid, (MM_THREADS_X, MM_THREADS_Y, 1), (), meta=meta)
+    channel0 = imul(g, cout_g)
+
+    def position(m: Expr) -> tuple[Expr, Index]:
+        """Image and output spatial index of GEMM column ``m``."""
+        n, *o = delinearize(m, (nb, *osp))
+        return n, tuple(o)
+
+    def weight(row: Expr, col: Expr) -> tuple[list[Expr], Callable[[], Expr]]:
+        """A[row, col]: weight of channel ``row`` of the group at reduction index ``col``."""
+        idx = (iadd(channel0, row), *delinearize(col, (cin_g, *ksp)))
+        return [], lambda: e.value(w, idx)
+
+    def im2col(row: Expr, col: Expr) -> tuple[list[Expr], Callable[[], Expr]]:
+        """B[row, col]: the input under kernel offset ``row`` of output position ``col`` (the
+        position is bound to registers; the padding checks become the load's conditions)."""
+        ci, *kk = delinearize(row, (cin_g, *ksp))
+        n, o = position(col)
+        inside: list[Expr] = []
+        pos: list[Expr] = []
+        for d in range(len(osp)):
+            p = e.bind(iadd(iadd(imul(o[d], stride[d]), imul(kk[d], dilation[d])), c(-padding[d])), "ip")
+            if padding[d]:
+                inside += [_bool("ge", p, c(0)), _bool("lt", p, c(isp[d]))]
+            pos.append(p)
+        idx = (n, iadd(imul(g, cin_g), ci), *pos)
+        return inside, lambda: e.value(x, idx)
+
+    w_tile: TileElement = weight
+    x_tile: TileElement = im2col
+    i0, j0 = tiles.start(bm, bn)
+
+    def load_tiles(k0: Expr) -> None:
+        tiles.load_tile("As", MM_TILE_M, MM_TILE_K, i0, k0, cout_g, k, w_tile)
+        tiles.load_tile("Bs", MM_TILE_K, MM_TILE_N, k0, j0, k, positions, x_tile)
+
+    def store(row: Expr, col: Expr) -> None:
+        n, o = position(col)
+        _store_epilogue(e, group, (n, iadd(channel0, row), *o))
+
+    tiles.k_loop(k, load_tiles)
+    tiles.store(i0, j0, cout_g, positions, cv, store)
+    return tiles.kernel(name, params, grid, target, meta)
+
