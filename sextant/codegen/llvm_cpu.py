@@ -28,6 +28,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from sextant.codegen.errors import CodegenError
+from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import (
@@ -39,26 +40,18 @@ from sextant.codegen.simt import (
     UniformFor,
     XchgReduce,
     XchgStore,
-    expr_loads,
     plan_kernel,
 )
 from sextant.graph.dtypes import DType
-from sextant.graph.ops import IRTypeError, TensorType, infer_type
 from sextant.kernel.ir import (
     Assign,
-    Binary,
     Buffer,
-    Cast,
-    Const,
     Expr,
     For,
     If,
     Kernel,
-    Load,
-    Select,
     Special,
     Store,
-    Unary,
     Var,
 )
 from sextant.runtime.cpu import CpuModule
@@ -66,7 +59,6 @@ from sextant.runtime.cpu import CpuModule
 PTR = ir.PointerType()
 HEAP_BYTES = 64 * 1024  # arrays larger than this are malloc'd, not on the (thread's) stack ...
 STACK_BYTES = 256 * 1024  # ... and so is everything past this much stack per kernel
-MAX_UNROLL = 512  # For(unroll=True) with constant bounds is unrolled up to this many iterations
 _AXES = {"x": 0, "y": 1, "z": 2}
 _BYTES = {"i1": 1, "i8": 1, "i16": 2, "half": 2, "float": 4, "i32": 4, "i64": 8}
 _WARP_OP = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
@@ -151,7 +143,7 @@ def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = Non
 
 
 # -- lowering of one kernel ----------------------------------------------------------------------
-class _KernelLowering:
+class _KernelLowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False):
         self.kernel = kernel
         self.plan: SimtPlan = plan_kernel(kernel, mark_barriers=check)
@@ -172,13 +164,6 @@ class _KernelLowering:
         self.bid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
         self.block_linear: ir.Value = self._i32(0)
         self.checker = KernelChecker(self) if check else None
-
-    @staticmethod
-    def _i32(v: int) -> ir.Constant:
-        return ir.Constant(I32, v)
-
-    def _fail(self, msg: str) -> CodegenError:
-        return CodegenError(f"kernel {self.kernel.name}: {msg}")
 
     # -- storage -----------------------------------------------------------------------------
     def _array(self, ty: ir.Type, count: int, name: str) -> ir.Value:
@@ -275,24 +260,6 @@ class _KernelLowering:
             for p in self.heap:
                 self.b.call(free, [p])
         self.b.ret_void()
-
-    def _loop(self, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None], name: str) -> None:
-        """``for iv in range(start, stop, step): body(iv)`` as a header/body/latch loop."""
-        if step == 0:
-            raise self._fail(f"loop {name} has step 0")
-        b = self.b
-        pre = b.block
-        head, body_bb, done = (self.fn.append_basic_block(f"{name}.{s}") for s in ("head", "body", "done"))
-        b.branch(head)
-        b.position_at_end(head)
-        iv = b.phi(start.type, name=name)
-        iv.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<" if step > 0 else ">", iv, stop), body_bb, done)
-        b.position_at_end(body_bb)
-        body(iv)
-        iv.add_incoming(b.add(iv, ir.Constant(start.type, step), flags=["nsw"]), b.block)
-        b.branch(head)
-        b.position_at_end(done)
 
     def _items(self, items: Sequence[Item]) -> None:
         for it in items:
@@ -407,33 +374,9 @@ class _KernelLowering:
         else:
             raise self._fail(f"unexpected statement {type(s).__name__} inside a phase")
 
-    def _for(self, s: For) -> None:
-        start, stop = self._bounds(s)
-        if s.unroll and isinstance(start, ir.Constant) and isinstance(stop, ir.Constant):
-            values = range(int(start.constant), int(stop.constant), s.step)
-            if len(values) <= MAX_UNROLL:
-                for v in values:
-                    self.write_var(s.var, ir.Constant(start.type, v))
-                    self._stmts(s.body)
-                return
-
-        def body(iv: ir.Value) -> None:
-            self.write_var(s.var, iv)
-            self._stmts(s.body)
-
-        self._loop(start, stop, s.step, body, s.var.name)
-
-    def _cond(self, e: Expr) -> ir.Value:
-        if e.dtype != DType.bool:
-            raise self._fail(f"an If condition must be bool, got {e.dtype.value}: {e!r}")
-        return self._value(e)
-
     def _bounds(self, s: For) -> tuple[ir.Value, ir.Value]:
-        if not (s.var.dtype.is_int and s.start.dtype == s.var.dtype == s.stop.dtype):
-            raise self._fail(f"loop over {s.var.name} ({s.var.dtype.value}) needs integer bounds of its type, "
-                             f"got {s.start.dtype.value} and {s.stop.dtype.value}")
-        self.memo = {}
-        return self._value(s.start), self._value(s.stop)
+        self.memo = {}  # loop bounds are evaluated afresh in each phase's thread context
+        return super()._bounds(s)
 
     def _warp_reduce(self, s: XchgReduce) -> None:
         """``var = op(lanes of this thread's group)`` in lane order; lanes past the block's last
@@ -461,72 +404,9 @@ class _KernelLowering:
             acc = r if ok is None else b.select(ok, r, acc)
         self.write_var(s.var, acc)
 
-    # -- expressions -------------------------------------------------------------------------
-    def _value(self, e: Expr) -> ir.Value:
-        hit = self.memo.get(id(e))
-        if hit is not None:
-            return hit[1]
-        v = self._expr(e)
-        self.memo[id(e)] = (e, v)
-        return v
-
-    def _expr(self, e: Expr) -> ir.Value:
-        m = self.math
-        if isinstance(e, Const):
-            return m.const(e.value, e.dtype)
-        if isinstance(e, Var):
-            return self.read_var(e)
-        if isinstance(e, Special):
-            return self._special(e)
-        if isinstance(e, Load):
-            idx = self._value(e.index)
-            if self.checker is not None:
-                idx = self.checker.access(e.buffer, idx, store=False)
-            buf, ptr = self._elem_ptr(e.buffer, idx)
-            if buf.dtype != e.dtype:
-                raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
-            return m.from_mem(self.b.load(ptr, typ=mem_type(buf.dtype)), buf.dtype)
-        if isinstance(e, Unary):
-            self._check_type(e.op, [e.a.dtype], e.dtype)
-            return m.unary(e.op, self._value(e.a), e.a.dtype)
-        if isinstance(e, Binary):
-            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
-            return m.binary(e.op, self._value(e.a), self._value(e.b), e.a.dtype)
-        if isinstance(e, Cast):
-            return m.cast(self._value(e.a), e.a.dtype, e.dtype)
-        if isinstance(e, Select):
-            self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
-            return self._select(e)
-        raise self._fail(f"unknown expression {e!r}")
-
-    def _select(self, e: Select) -> ir.Value:
-        """A ``select``; but when an arm loads memory, only the chosen arm is evaluated (the
-        condition often guards the load's index)."""
-        cond = self._value(e.cond)
-        if not (expr_loads(e.a) or expr_loads(e.b)):
-            return self.math.select(cond, self._value(e.a), self._value(e.b))
-        b = self.b
-        saved = dict(self.memo)
-        with b.if_else(cond) as (then, orelse):
-            with then:
-                va, ba = self._value(e.a), b.block
-            self.memo = dict(saved)
-            with orelse:
-                vb, bb = self._value(e.b), b.block
-        self.memo = saved
-        phi = b.phi(va.type)
-        phi.add_incoming(va, ba)
-        phi.add_incoming(vb, bb)
-        return phi
-
-    def _check_type(self, op: str, ins: list[DType], out: DType) -> None:
-        try:
-            t = infer_type(op, [TensorType((), d) for d in ins], {})
-        except IRTypeError as err:
-            raise self._fail(str(err)) from None
-        if t.dtype != out:
-            raise self._fail(f"{op} of {', '.join(d.value for d in ins)} gives {t.dtype.value}, "
-                             f"but the expression says {out.value}")
+    # -- expressions (the rest is LoweringBase's) ---------------------------------------------
+    def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:
+        return index if self.checker is None else self.checker.access(buffer, index, store=False)
 
     def _special(self, e: Special) -> ir.Value:
         axis = _AXES[e.axis]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import llvmlite.binding as llvm
@@ -31,27 +31,21 @@ from llvmlite import ir
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.libdevice import NVPTX_MATH, link_libdevice
 from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
+from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
-from sextant.codegen.simt import WARP_OPS, expr_loads, iter_expr, iter_stmts, stmt_exprs
+from sextant.codegen.simt import WARP_OPS, iter_expr, iter_stmts, stmt_exprs
 from sextant.graph.dtypes import DType
-from sextant.graph.ops import IRTypeError, TensorType, infer_type
 from sextant.kernel.ir import (
     Assign,
     Barrier,
-    Binary,
     Buffer,
-    Cast,
-    Const,
     Expr,
     For,
     If,
     Kernel,
-    Load,
-    Select,
     Special,
     Stmt,
     Store,
-    Unary,
     Var,
     WarpReduce,
 )
@@ -61,7 +55,6 @@ DEFAULT_ARCH = "sm_90"
 GLOBAL, SHARED = 1, 3  # NVPTX address spaces
 WARP = 32
 MAX_STATIC_SHARED = 48 * 1024  # more needs dynamic shared memory (not supported)
-MAX_UNROLL = 512
 # every global buffer starts 16-byte aligned (CUDA allocations are 256-byte aligned, the arena's
 # offsets 64-byte aligned; the runtime copies a misaligned input view): lets 128-bit accesses form
 PARAM_ALIGN = 16
@@ -216,7 +209,7 @@ def _var_types(k: Kernel) -> dict[str, DType]:
 
 
 # -- lowering of one kernel ----------------------------------------------------------------------
-class _Lowering:
+class _Lowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel):
         self.module = module
         self.kernel = kernel
@@ -234,13 +227,6 @@ class _Lowering:
         self.var_types: dict[str, DType] = {}
         self.memo: dict[int, tuple[Expr, ir.Value]] = {}
         self._ltid: ir.Value | None = None
-
-    def _fail(self, msg: str) -> CodegenError:
-        return CodegenError(f"kernel {self.kernel.name}: {msg}")
-
-    @staticmethod
-    def _i32(v: int) -> ir.Constant:
-        return ir.Constant(I32, v)
 
     # -- storage -----------------------------------------------------------------------------
     def _preamble(self) -> None:
@@ -278,6 +264,8 @@ class _Lowering:
             self.slots[name] = a
 
     def read_var(self, v: Var) -> ir.Value:
+        if v.name not in self.slots:
+            raise self._fail(f"register {v.name!r} is not defined")
         return self.b.load(self.slots[v.name], typ=reg_type(v.dtype))
 
     def write_var(self, v: Var, value: ir.Value) -> None:
@@ -334,48 +322,6 @@ class _Lowering:
             self._warp_reduce(s)
         else:
             raise self._fail(f"unknown statement {type(s).__name__}")
-
-    def _loop(self, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None], name: str) -> None:
-        """``for iv in range(start, stop, step): body(iv)`` as a header/body/latch loop."""
-        if step == 0:
-            raise self._fail(f"loop {name} has step 0")
-        b = self.b
-        pre = b.block
-        head, body_bb, done = (self.fn.append_basic_block(f"{name}.{s}") for s in ("head", "body", "done"))
-        b.branch(head)
-        b.position_at_end(head)
-        iv = b.phi(start.type, name=name)
-        iv.add_incoming(start, pre)
-        b.cbranch(b.icmp_signed("<" if step > 0 else ">", iv, stop), body_bb, done)
-        b.position_at_end(body_bb)
-        body(iv)
-        iv.add_incoming(b.add(iv, ir.Constant(start.type, step), flags=["nsw"]), b.block)
-        b.branch(head)
-        b.position_at_end(done)
-
-    def _for(self, s: For) -> None:
-        if not (s.var.dtype.is_int and s.start.dtype == s.var.dtype == s.stop.dtype):
-            raise self._fail(f"loop over {s.var.name} ({s.var.dtype.value}) needs integer bounds of its type, "
-                             f"got {s.start.dtype.value} and {s.stop.dtype.value}")
-        start, stop = self._value(s.start), self._value(s.stop)
-        if s.unroll and isinstance(start, ir.Constant) and isinstance(stop, ir.Constant):
-            values = range(int(start.constant), int(stop.constant), s.step)
-            if len(values) <= MAX_UNROLL:
-                for v in values:
-                    self.write_var(s.var, ir.Constant(start.type, v))
-                    self._stmts(s.body)
-                return
-
-        def body(iv: ir.Value) -> None:
-            self.write_var(s.var, iv)
-            self._stmts(s.body)
-
-        self._loop(start, stop, s.step, body, s.var.name)
-
-    def _cond(self, e: Expr) -> ir.Value:
-        if e.dtype != DType.bool:
-            raise self._fail(f"an If condition must be bool, got {e.dtype.value}: {e!r}")
-        return self._value(e)
 
     # -- synchronisation ---------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -461,72 +407,6 @@ class _Lowering:
         raise self._fail(f"WarpReduce of {dt.value} is not supported")
 
     # -- expressions -------------------------------------------------------------------------
-    def _value(self, e: Expr) -> ir.Value:
-        hit = self.memo.get(id(e))
-        if hit is not None:
-            return hit[1]
-        v = self._expr(e)
-        self.memo[id(e)] = (e, v)
-        return v
-
-    def _expr(self, e: Expr) -> ir.Value:
-        m = self.math
-        if isinstance(e, Const):
-            return m.const(e.value, e.dtype)
-        if isinstance(e, Var):
-            if e.name not in self.slots:
-                raise self._fail(f"register {e.name!r} is not defined")
-            return self.read_var(e)
-        if isinstance(e, Special):
-            return self._special(e)
-        if isinstance(e, Load):
-            idx = self._value(e.index)
-            buf, ptr = self._elem_ptr(e.buffer, idx)
-            if buf.dtype != e.dtype:
-                raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
-            return m.from_mem(self.b.load(ptr, typ=mem_type(buf.dtype)), buf.dtype)
-        if isinstance(e, Unary):
-            self._check_type(e.op, [e.a.dtype], e.dtype)
-            return m.unary(e.op, self._value(e.a), e.a.dtype)
-        if isinstance(e, Binary):
-            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
-            return m.binary(e.op, self._value(e.a), self._value(e.b), e.a.dtype)
-        if isinstance(e, Cast):
-            return m.cast(self._value(e.a), e.a.dtype, e.dtype)
-        if isinstance(e, Select):
-            self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
-            return self._select(e)
-        raise self._fail(f"unknown expression {e!r}")
-
-    def _select(self, e: Select) -> ir.Value:
-        """A ``select``; but when an arm loads memory, only the chosen arm is evaluated (the
-        condition often guards the load's index)."""
-        cond = self._value(e.cond)
-        if not (expr_loads(e.a) or expr_loads(e.b)):
-            return self.math.select(cond, self._value(e.a), self._value(e.b))
-        b = self.b
-        saved = dict(self.memo)
-        with b.if_else(cond) as (then, orelse):
-            with then:
-                va, ba = self._value(e.a), b.block
-            self.memo = dict(saved)
-            with orelse:
-                vb, bb = self._value(e.b), b.block
-        self.memo = saved
-        phi = b.phi(va.type)
-        phi.add_incoming(va, ba)
-        phi.add_incoming(vb, bb)
-        return phi
-
-    def _check_type(self, op: str, ins: list[DType], out: DType) -> None:
-        try:
-            t = infer_type(op, [TensorType((), d) for d in ins], {})
-        except IRTypeError as err:
-            raise self._fail(str(err)) from None
-        if t.dtype != out:
-            raise self._fail(f"{op} of {', '.join(d.value for d in ins)} gives {t.dtype.value}, "
-                             f"but the expression says {out.value}")
-
     def _special(self, e: Special) -> ir.Value:
         """``tid``/``bid``/``gdim`` from the special registers; ``bdim`` is the constant block
         (``.reqntid`` makes it exact) and ``tid`` gets its range, for LLVM's benefit."""

@@ -1,0 +1,173 @@
+"""What the CPU and NVPTX lowerings of kernel IR share: loops and expressions → LLVM IR.
+
+The two targets differ in how a kernel's threads, storage and synchronisation become LLVM
+(phases and thread loops on the CPU; the hardware's own threads, address spaces and shuffles on
+the GPU), but not in how a loop or an expression is lowered: that lives here, once.
+A subclass provides ``kernel``, ``fn``, ``b`` (the IRBuilder), ``math`` (a
+:class:`~sextant.codegen.scalar_math.ScalarMath`), ``memo``, and the storage hooks
+``read_var``/``write_var``/``_elem_ptr``/``_special``/``_stmts``; it may override
+``_load_index`` (e.g. to bounds-check) and ``_bounds``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llvmlite import ir
+
+from sextant.codegen.errors import CodegenError
+from sextant.codegen.scalar_math import I32, ScalarMath, mem_type
+from sextant.codegen.simt import expr_loads
+from sextant.graph.dtypes import DType
+from sextant.graph.ops import IRTypeError, TensorType, infer_type
+from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, For, Kernel, Load, Select, Special, Unary, Var
+
+MAX_UNROLL = 512  # For(unroll=True) with constant bounds is unrolled up to this many iterations
+
+
+class LoweringBase:
+    kernel: Kernel
+    fn: ir.Function
+    b: ir.IRBuilder
+    math: ScalarMath
+    memo: dict[int, tuple[Expr, ir.Value]]
+
+    # -- provided by the target ---------------------------------------------------------------
+    def read_var(self, v: Var) -> ir.Value:
+        raise NotImplementedError
+
+    def write_var(self, v: Var, value: ir.Value) -> None:
+        raise NotImplementedError
+
+    def _elem_ptr(self, name: str, index: ir.Value) -> tuple[Buffer, ir.Value]:
+        raise NotImplementedError
+
+    def _special(self, e: Special) -> ir.Value:
+        raise NotImplementedError
+
+    def _stmts(self, stmts: Sequence[Any]) -> None:
+        raise NotImplementedError
+
+    def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:
+        """The index a load uses (the race-checking CPU lowering checks it here)."""
+        return index
+
+    # -- shared -------------------------------------------------------------------------------
+    def _fail(self, msg: str) -> CodegenError:
+        return CodegenError(f"kernel {self.kernel.name}: {msg}")
+
+    @staticmethod
+    def _i32(v: int) -> ir.Constant:
+        return ir.Constant(I32, v)
+
+    def _loop(self, start: ir.Value, stop: ir.Value, step: int, body: Callable[[ir.Value], None], name: str) -> None:
+        """``for iv in range(start, stop, step): body(iv)`` as a header/body/latch loop."""
+        if step == 0:
+            raise self._fail(f"loop {name} has step 0")
+        b = self.b
+        pre = b.block
+        head, body_bb, done = (self.fn.append_basic_block(f"{name}.{s}") for s in ("head", "body", "done"))
+        b.branch(head)
+        b.position_at_end(head)
+        iv = b.phi(start.type, name=name)
+        iv.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<" if step > 0 else ">", iv, stop), body_bb, done)
+        b.position_at_end(body_bb)
+        body(iv)
+        iv.add_incoming(b.add(iv, ir.Constant(start.type, step), flags=["nsw"]), b.block)
+        b.branch(head)
+        b.position_at_end(done)
+
+    def _bounds(self, s: For) -> tuple[ir.Value, ir.Value]:
+        if not (s.var.dtype.is_int and s.start.dtype == s.var.dtype == s.stop.dtype):
+            raise self._fail(f"loop over {s.var.name} ({s.var.dtype.value}) needs integer bounds of its type, "
+                             f"got {s.start.dtype.value} and {s.stop.dtype.value}")
+        return self._value(s.start), self._value(s.stop)
+
+    def _for(self, s: For) -> None:
+        """A loop; unrolled when asked and its bounds are constants (``MAX_UNROLL`` at most), so
+        indices into ``local`` arrays become constants and the arrays registers."""
+        start, stop = self._bounds(s)
+        if s.unroll and isinstance(start, ir.Constant) and isinstance(stop, ir.Constant):
+            values = range(int(start.constant), int(stop.constant), s.step)
+            if len(values) <= MAX_UNROLL:
+                for v in values:
+                    self.write_var(s.var, ir.Constant(start.type, v))
+                    self._stmts(s.body)
+                return
+
+        def body(iv: ir.Value) -> None:
+            self.write_var(s.var, iv)
+            self._stmts(s.body)
+
+        self._loop(start, stop, s.step, body, s.var.name)
+
+    def _cond(self, e: Expr) -> ir.Value:
+        if e.dtype != DType.bool:
+            raise self._fail(f"an If condition must be bool, got {e.dtype.value}: {e!r}")
+        return self._value(e)
+
+    # -- expressions --------------------------------------------------------------------------
+    def _value(self, e: Expr) -> ir.Value:
+        hit = self.memo.get(id(e))
+        if hit is not None:
+            return hit[1]
+        v = self._expr(e)
+        self.memo[id(e)] = (e, v)  # the expression is kept alive so its id is not reused
+        return v
+
+    def _expr(self, e: Expr) -> ir.Value:
+        m = self.math
+        if isinstance(e, Const):
+            return m.const(e.value, e.dtype)
+        if isinstance(e, Var):
+            return self.read_var(e)
+        if isinstance(e, Special):
+            return self._special(e)
+        if isinstance(e, Load):
+            buf, ptr = self._elem_ptr(e.buffer, self._load_index(e.buffer, self._value(e.index)))
+            if buf.dtype != e.dtype:
+                raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
+            return m.from_mem(self.b.load(ptr, typ=mem_type(buf.dtype)), buf.dtype)
+        if isinstance(e, Unary):
+            self._check_type(e.op, [e.a.dtype], e.dtype)
+            return m.unary(e.op, self._value(e.a), e.a.dtype)
+        if isinstance(e, Binary):
+            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
+            return m.binary(e.op, self._value(e.a), self._value(e.b), e.a.dtype)
+        if isinstance(e, Cast):
+            return m.cast(self._value(e.a), e.a.dtype, e.dtype)
+        if isinstance(e, Select):
+            self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
+            return self._select(e)
+        raise self._fail(f"unknown expression {e!r}")
+
+    def _select(self, e: Select) -> ir.Value:
+        """A ``select``; but when an arm loads memory, only the chosen arm is evaluated (the
+        condition often guards the load's index)."""
+        cond = self._value(e.cond)
+        if not (expr_loads(e.a) or expr_loads(e.b)):
+            return self.math.select(cond, self._value(e.a), self._value(e.b))
+        b = self.b
+        saved = dict(self.memo)
+        with b.if_else(cond) as (then, orelse):
+            with then:
+                va, ba = self._value(e.a), b.block
+            self.memo = dict(saved)
+            with orelse:
+                vb, bb = self._value(e.b), b.block
+        self.memo = saved
+        phi = b.phi(va.type)
+        phi.add_incoming(va, ba)
+        phi.add_incoming(vb, bb)
+        return phi
+
+    def _check_type(self, op: str, ins: list[DType], out: DType) -> None:
+        try:
+            t = infer_type(op, [TensorType((), d) for d in ins], {})
+        except IRTypeError as err:
+            raise self._fail(str(err)) from None
+        if t.dtype != out:
+            raise self._fail(f"{op} of {', '.join(d.value for d in ins)} gives {t.dtype.value}, "
+                             f"but the expression says {out.value}")
