@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from sextant.kernel.ir import Expr, Kernel
+from sextant.kernel.ir import Expr, Kernel, Load
 from sextant.schedule.gpu_kernels import (
     MM_MICRO_M,
     MM_MICRO_N,
@@ -99,8 +99,13 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
         return n, tuple(o)
 
     def weight(row: Expr, col: Expr) -> tuple[list[Expr], Callable[[], Expr]]:
-        """A[row, col]: weight of channel ``row`` of the group at reduction index ``col``."""
-        idx = (iadd(channel0, row), *delinearize(col, (cin_g, *ksp)))
+        """A[row, col]: weight of channel ``row`` of the group at reduction index ``col`` — a stored
+        weight at its flat offset ``co·K + col`` (no index split and rejoin), an inlined one (e.g.
+        a transposed conv's flipped kernel) through its index arithmetic."""
+        co = iadd(channel0, row)
+        if id(w) in e.buffers:
+            return [], lambda: Load(e.buffers[id(w)], iadd(imul(co, k), col), w.dtype)
+        idx = (co, *delinearize(col, (cin_g, *ksp)))
         return [], lambda: e.value(w, idx)
 
     def im2col(row: Expr, col: Expr) -> tuple[list[Expr], Callable[[], Expr]]:
