@@ -153,18 +153,23 @@ class CudaRunner:
         self.plan = plan(program)
         self.arch = arch
         self.device = torch.device(device) if device is not None else require_cuda()
+        if self.device.type == "cuda":
+            torch.cuda.init()  # torch's runtime first: it retains and uses the same primary context
+            if self.device.index is None:  # "cuda" means torch's current device; inputs are compared by index
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.use_graph = _env_flag("SEXTANT_CUDA_GRAPHS", True) if use_graph is None else use_graph
         self.sync_each_launch = (_env_flag("SEXTANT_CUDA_SYNC", False) if sync_each_launch is None
                                  else sync_each_launch)
         self._drv = Driver(driver if driver is not None else load_driver())
         self._lock = threading.Lock()
-        self._context = self._primary_context()
         self.image = "cubin" if cubin is not None else "ptx"  # what was loaded
         self.cubin_error: str | None = None
-        self._module = self._load(ptx, cubin)
-        self._functions = {name: self._drv("cuModuleGetFunction", self._module, name.encode(),
-                                           what=f"looking up kernel {name} in the loaded module")
-                           for name in program.kernels}
+        with self._on_device():  # the caller's current device and context are left as they were
+            self._context = self._primary_context()
+            self._module = self._load(ptx, cubin)
+            self._functions = {name: self._drv("cuModuleGetFunction", self._module, name.encode(),
+                                               what=f"looking up kernel {name} in the loaded module")
+                               for name in program.kernels}
         # device memory: weights once, one arena for the intermediates
         self.constants = {i: t.detach().contiguous().to(self.device) for i, t in program.constants.items()}
         self.arena = torch.empty(max(program.arena_bytes, 1), dtype=torch.uint8, device=self.device)
@@ -172,9 +177,10 @@ class CudaRunner:
             torch.cuda.current_stream(self.device).synchronize()  # uploads done before any stream uses them
         self._fixed = self._fixed_addresses()
         self._blocks = [ParamBlock([self._fixed.get(b, 0) for b in s.args]) for s in self.plan.launches]
-        self._bound: dict[int, int] = {}  # per-call buffer -> address its parameter slots hold now
+        self._bound: dict[int, int] = {}  # per-call buffer -> address its parameter blocks hold now
         self._graph: Any = None
         self._exec: Any = None
+        self._exec_bound: dict[int, int] = {}  # per-call buffer -> address the instantiated graph's nodes hold
         self._nodes: list[Any] = []
         self._last_stream: torch.cuda.Stream | None = None
         self.stats = {"calls": 0, "graph_builds": 0, "node_updates": 0, "kernel_launches": 0}
@@ -187,10 +193,16 @@ class CudaRunner:
     def _primary_context(self) -> Any:
         d = self._drv
         d("cuInit", 0, what="initialising the CUDA driver")
-        dev = d("cuDeviceGet", self.device.index or 0, what=f"opening device {self.device}")
-        ctx = d("cuDevicePrimaryCtxRetain", dev, what=f"retaining the primary context of {self.device}")
+        self._cu_device = d("cuDeviceGet", self.device.index or 0, what=f"opening device {self.device}")
+        ctx = d("cuDevicePrimaryCtxRetain", self._cu_device, what=f"retaining the primary context of {self.device}")
+        self._retained = True
         d("cuCtxSetCurrent", ctx, what="making the primary context current")
         return ctx
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """torch's device guard for this runner's GPU: torch's current device (and the thread's
+        current context with it) is restored afterwards, so a call does not switch the caller's device."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _load(self, ptx: str | None, cubin: bytes | None) -> Any:
         if cubin is not None:
@@ -221,7 +233,10 @@ class CudaRunner:
     # -- a call ---------------------------------------------------------------------------------
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
-        with self._lock:
+        if getattr(self, "_module", None) is None:
+            raise CudaError(f"{self!r} was closed")
+        with self._lock, self._on_device():
+            # the calling thread may never have used this GPU (or have another context current)
             self._drv("cuCtxSetCurrent", self._context, what="making the primary context current")
             stream = self._stream()
             tensors: dict[int, torch.Tensor] = dict(self.constants)
@@ -278,16 +293,24 @@ class CudaRunner:
                 d("cuStreamSynchronize", handle, what=f"running {_describe(s)}")
 
     def _run_graph(self, addresses: dict[int, int], stream: int) -> None:
-        affected = self._rebind(addresses)
+        self._rebind(addresses)
         d = self._drv
         if self._exec is None:
             self._build_graph()
         else:
-            for li in affected:
-                s = self.plan.launches[li]
-                d("cuGraphExecKernelNodeSetParams", self._exec, self._nodes[li], self._node_params(s),
-                  what=f"updating the graph node of {_describe(s)} with this call's tensors")
-                self.stats["node_updates"] += 1
+            # compared with what the instantiated graph holds, not with the parameter blocks: calls
+            # made with use_graph=False in between rebind the blocks but not the graph's nodes
+            changed = [b for b, a in addresses.items() if self._exec_bound.get(b) != a]
+            try:
+                for li in self.plan.affected(changed):
+                    s = self.plan.launches[li]
+                    d("cuGraphExecKernelNodeSetParams", self._exec, self._nodes[li], self._node_params(s),
+                      what=f"updating the graph node of {_describe(s)} with this call's tensors")
+                    self.stats["node_updates"] += 1
+            except CudaError:
+                self._destroy_graph()  # some nodes may hold stale addresses: rebuild on the next call
+                raise
+        self._exec_bound = dict(addresses)
         handle = self._stream_handle(stream)
         d("cuGraphLaunch", self._exec, handle, what=f"launching the CUDA graph of {len(self._nodes)} kernels")
         if self.sync_each_launch:
@@ -295,14 +318,27 @@ class CudaRunner:
 
     def _build_graph(self) -> None:
         d = self._drv
+        self._destroy_graph()
         self._graph = d("cuGraphCreate", 0, what="creating a CUDA graph")
         self._nodes = []
         for s, deps in zip(self.plan.launches, self.plan.deps):
             parents = [self._nodes[j] for j in deps]
             self._nodes.append(d("cuGraphAddKernelNode", self._graph, parents, len(parents), self._node_params(s),
                                  what=f"adding {_describe(s)} to the CUDA graph"))
+        # cuda-python 12.x and 13.x: cuGraphInstantiate(hGraph, flags) (CUDA 12 made it the
+        # flags form; 12.x bindings also name it cuGraphInstantiateWithFlags, 13.x no longer do)
         self._exec = d("cuGraphInstantiate", self._graph, 0, what="instantiating the CUDA graph")
         self.stats["graph_builds"] += 1
+
+    def _destroy_graph(self) -> None:
+        for fn, attr in (("cuGraphExecDestroy", "_exec"), ("cuGraphDestroy", "_graph")):
+            handle = getattr(self, attr, None)
+            if handle is not None:
+                setattr(self, attr, None)
+                with contextlib.suppress(Exception):
+                    getattr(self._drv.m, fn)(handle)
+        self._nodes = []
+        self._exec_bound = {}
 
     def _node_params(self, s: LaunchSpec) -> Any:
         p = self._drv.m.CUDA_KERNEL_NODE_PARAMS()
@@ -318,16 +354,38 @@ class CudaRunner:
 
     # -- teardown -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Destroy the graph and unload the module (also done when the runner is garbage-collected)."""
+        """Wait for this runner's last launches, destroy the graph, unload the module and release
+        the primary context (also done when the runner is garbage-collected, possibly on another
+        thread: the context is pushed for the teardown and popped after, leaving the thread's as it was)."""
         d = getattr(self, "_drv", None)
         if d is None:
             return
-        for fn, attr in (("cuGraphExecDestroy", "_exec"), ("cuGraphDestroy", "_graph"), ("cuModuleUnload", "_module")):
-            handle = getattr(self, attr, None)
-            if handle is not None:
-                setattr(self, attr, None)
-                with contextlib.suppress(Exception):  # at interpreter exit the driver may already be gone
-                    getattr(d.m, fn)(handle)
+        m = d.m
+        ctx = getattr(self, "_context", None)
+        # at interpreter exit the driver may already be gone: teardown never raises
+        pushed = False
+        if ctx is not None:
+            with contextlib.suppress(Exception):
+                pushed = m.cuCtxPushCurrent(ctx)[0] == d._success
+        last = getattr(self, "_last_stream", None)
+        if last is not None:  # kernels still running must not outlive their module (nor the arena)
+            with contextlib.suppress(Exception):
+                m.cuStreamSynchronize(self._stream_handle(last.cuda_stream))
+        self._last_stream = None
+        self._destroy_graph()
+        module = getattr(self, "_module", None)
+        if module is not None:
+            self._module = None
+            with contextlib.suppress(Exception):
+                m.cuModuleUnload(module)
+        if pushed:
+            with contextlib.suppress(Exception):
+                m.cuCtxPopCurrent()
+        if getattr(self, "_retained", False):
+            self._retained = False
+            with contextlib.suppress(Exception):
+                m.cuDevicePrimaryCtxRelease(self._cu_device)
+        self._context = None
 
     def __del__(self) -> None:
         self.close()

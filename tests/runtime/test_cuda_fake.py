@@ -62,6 +62,8 @@ class FakeDriver:
         self.images: list[bytes] = []
         self.rng = random.Random(seed)
         self.fail = fail or {}  # function name -> CUresult to return instead of running it
+        self.ctx_stack: list[object] = [None]  # the calling thread's context stack (top: current)
+        self.retained = 0  # primary-context references held through this driver
 
     def _call(self, name: str) -> object | None:
         self.calls.append(name)
@@ -77,13 +79,33 @@ class FakeDriver:
         return self._call("cuDeviceGet") or OK, ordinal
 
     def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple:
+        self.retained += 1
         return self._call("cuDevicePrimaryCtxRetain") or OK, "primary-context"
+
+    def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple:
+        assert self.retained > 0, "primary context released more often than retained"
+        self.retained -= 1
+        return (self._call("cuDevicePrimaryCtxRelease") or OK,)
 
     def cuCtxSetCurrent(self, ctx: object) -> tuple:
         assert ctx == "primary-context"
+        self.ctx_stack[-1] = ctx
         return (self._call("cuCtxSetCurrent") or OK,)
 
+    def cuCtxPushCurrent(self, ctx: object) -> tuple:
+        assert ctx == "primary-context"
+        self.ctx_stack.append(ctx)
+        return (self._call("cuCtxPushCurrent") or OK,)
+
+    def cuCtxPopCurrent(self) -> tuple:
+        assert len(self.ctx_stack) > 1, "cuCtxPopCurrent without a matching push"
+        return self._call("cuCtxPopCurrent") or OK, self.ctx_stack.pop()
+
+    def _current(self, name: str) -> None:
+        assert self.ctx_stack[-1] == "primary-context", f"{name} called with no current context"
+
     def cuModuleLoadData(self, image: bytes) -> tuple:
+        self._current("cuModuleLoadData")
         err = self._call("cuModuleLoadData")
         self.images.append(bytes(image))
         if isinstance(err, list):  # fail the first N loads
@@ -91,21 +113,29 @@ class FakeDriver:
         return err or OK, "module"
 
     def cuModuleGetFunction(self, module: object, name: bytes) -> tuple:
+        assert isinstance(name, bytes)
+        ptx = self.images[-1]
+        if b".entry" in ptx and f".entry {name.decode()}(".encode() not in ptx:
+            return (cuda_driver.CUresult.CUDA_ERROR_NOT_FOUND, None)
         handle = len(self.names) + 1
         self.names[handle] = name.decode()
         return self._call("cuModuleGetFunction") or OK, cuda_driver.CUfunction(handle)
 
     def cuLaunchKernel(self, f: object, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared: int,
                        stream: object, params: int, extra: int) -> tuple:
+        self._current("cuLaunchKernel")
         err = self._call("cuLaunchKernel")
         if err:
             return (err,)
         assert shared == 0 and extra == 0 and isinstance(stream, cuda_driver.CUstream)
+        assert isinstance(params, int)  # a raw void** (the bindings also take None or (values, types))
         name = self.names[int(f)]
         self._run(FakeNode(int(f), (gx, gy, gz), (bx, by, bz), self._read_params(name, params)))
         return (OK,)
 
     def cuGraphCreate(self, flags: int) -> tuple:
+        self._current("cuGraphCreate")
+        assert flags == 0
         return self._call("cuGraphCreate") or OK, []
 
     def cuGraphAddKernelNode(self, graph: list, deps: list, ndeps: int, p: object) -> tuple:
@@ -115,7 +145,7 @@ class FakeDriver:
         graph.append(node)
         return self._call("cuGraphAddKernelNode") or OK, len(graph) - 1
 
-    def cuGraphInstantiate(self, graph: list, flags: int) -> tuple:
+    def cuGraphInstantiate(self, graph: list, flags: int) -> tuple:  # cuda-python 12.x/13.x: (hGraph, flags)
         exec_ = [FakeNode(n.func, n.grid, n.block, list(n.values), list(n.deps)) for n in graph]
         return self._call("cuGraphInstantiate") or OK, exec_
 
@@ -126,6 +156,8 @@ class FakeDriver:
         return (self._call("cuGraphExecKernelNodeSetParams") or OK,)
 
     def cuGraphLaunch(self, exec_: list, stream: object) -> tuple:
+        self._current("cuGraphLaunch")
+        assert isinstance(stream, cuda_driver.CUstream)
         err = self._call("cuGraphLaunch")
         if err:
             return (err,)
@@ -147,11 +179,13 @@ class FakeDriver:
         return (OK,)
 
     def cuModuleUnload(self, h: object) -> tuple:
+        self._current("cuModuleUnload")
+        self.calls.append("cuModuleUnload")
         return (OK,)
 
     # -- helpers ---------------------------------------------------------------------------
     def _node(self, p: object) -> FakeNode:
-        assert p.sharedMemBytes == 0
+        assert p.sharedMemBytes == 0 and p.extra == 0 and int(p.kern) == 0 and int(p.ctx) == 0
         name = self.names[int(p.func)]
         return FakeNode(int(p.func), (p.gridDimX, p.gridDimY, p.gridDimZ), (p.blockDimX, p.blockDimY, p.blockDimZ),
                         self._read_params(name, p.kernelParams))
@@ -275,6 +309,32 @@ def test_plan_rejects_a_mismatched_launch() -> None:
     broken = dataclasses.replace(program, launches=[bad, *program.launches[1:]])
     with pytest.raises(ValueError, match=r"launch 0 .* passes"):
         plan(broken)
+
+
+def test_graph_after_launch_by_launch_calls_updates_its_own_nodes() -> None:
+    """Calls with use_graph=False rebind the parameter blocks, not the instantiated graph: going
+    back to the graph must still update the nodes that hold the previous graph call's tensors."""
+    model, args, compiled, runner, _ = _build("mlp")
+    x, y = torch.randn_like(args[0]), torch.randn_like(args[0])
+    compiled(x)
+    runner.use_graph = False
+    compiled(y)
+    runner.use_graph = True
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(y), model(y), rtol=1e-4, atol=2e-5)
+
+
+def test_close_releases_the_context_and_leaves_the_thread_as_it_was() -> None:
+    _, args, compiled, runner, fake = _build("mlp")
+    compiled(torch.randn_like(args[0]))
+    fake.ctx_stack = [None]  # as on another thread (a finaliser, say): no context current
+    runner.close()
+    assert fake.ctx_stack == [None] and fake.retained == 0
+    assert fake.calls[-2:] == ["cuCtxPopCurrent", "cuDevicePrimaryCtxRelease"] and "cuModuleUnload" in fake.calls
+    runner.close()  # idempotent
+    assert fake.retained == 0
+    with pytest.raises(CudaError, match="closed"):
+        runner([torch.randn_like(args[0])])
 
 
 def test_driver_errors_name_the_cuda_error_and_the_kernel() -> None:
