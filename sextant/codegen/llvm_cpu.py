@@ -44,14 +44,11 @@ from sextant.codegen.simt import (
 )
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
-    Assign,
     Buffer,
     Expr,
     For,
-    If,
     Kernel,
     Special,
-    Store,
     Var,
 )
 from sextant.runtime.cpu import CpuModule
@@ -337,32 +334,8 @@ class _KernelLowering(LoweringBase):
     def _stmt(self, s: PhaseStmt) -> None:
         self.memo = {}
         b = self.b
-        if isinstance(s, Assign):
-            if s.value.dtype != s.var.dtype:
-                raise self._fail(f"assigning a {s.value.dtype.value} value to register {s.var.name} "
-                                 f"({s.var.dtype.value})")
-            self.write_var(s.var, self._value(s.value))
-        elif isinstance(s, Store):
-            idx, val = self._value(s.index), self._value(s.value)
-            if self.checker is not None:
-                idx = self.checker.access(s.buffer, idx, store=True)
-            buf, ptr = self._elem_ptr(s.buffer, idx)
-            if buf.dtype != s.value.dtype:
-                raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
-            b.store(self.math.to_mem(val, buf.dtype), ptr)
-        elif isinstance(s, For):
-            self._for(s)
-        elif isinstance(s, If):
-            cond = self._cond(s.cond)
-            if s.orelse:
-                with b.if_else(cond) as (then, orelse):
-                    with then:
-                        self._stmts(s.then)
-                    with orelse:
-                        self._stmts(s.orelse)
-            else:
-                with b.if_then(cond):
-                    self._stmts(s.then)
+        if self._structured_stmt(s):
+            pass
         elif isinstance(s, XchgStore):
             val = self._value(s.value)
             buf, ptr = self._elem_ptr(s.slot, self.ltid)
@@ -407,6 +380,9 @@ class _KernelLowering(LoweringBase):
     # -- expressions (the rest is LoweringBase's) ---------------------------------------------
     def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:
         return index if self.checker is None else self.checker.access(buffer, index, store=False)
+
+    def _store_index(self, buffer: str, index: ir.Value) -> ir.Value:
+        return index if self.checker is None else self.checker.access(buffer, index, store=True)
 
     def _special(self, e: Special) -> ir.Value:
         axis = _AXES[e.axis]

@@ -41,11 +41,9 @@ from sextant.kernel.ir import (
     Buffer,
     Expr,
     For,
-    If,
     Kernel,
     Special,
     Stmt,
-    Store,
     Var,
     WarpReduce,
 )
@@ -291,31 +289,8 @@ class _Lowering(LoweringBase):
 
     def _stmt(self, s: Stmt) -> None:
         self.memo = {}
-        b = self.b
-        if isinstance(s, Assign):
-            if s.value.dtype != s.var.dtype:
-                raise self._fail(f"assigning a {s.value.dtype.value} value to register {s.var.name} "
-                                 f"({s.var.dtype.value})")
-            self.write_var(s.var, self._value(s.value))
-        elif isinstance(s, Store):
-            idx, val = self._value(s.index), self._value(s.value)
-            buf, ptr = self._elem_ptr(s.buffer, idx)
-            if buf.dtype != s.value.dtype:
-                raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
-            b.store(self.math.to_mem(val, buf.dtype), ptr)
-        elif isinstance(s, For):
-            self._for(s)
-        elif isinstance(s, If):
-            cond = self._cond(s.cond)
-            if s.orelse:
-                with b.if_else(cond) as (then, orelse):
-                    with then:
-                        self._stmts(s.then)
-                    with orelse:
-                        self._stmts(s.orelse)
-            else:
-                with b.if_then(cond):
-                    self._stmts(s.then)
+        if self._structured_stmt(s):
+            pass
         elif isinstance(s, Barrier):
             self._barrier()
         elif isinstance(s, WarpReduce):

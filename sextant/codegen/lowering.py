@@ -21,7 +21,23 @@ from sextant.codegen.scalar_math import I32, ScalarMath, mem_type
 from sextant.codegen.simt import expr_loads
 from sextant.graph.dtypes import DType
 from sextant.graph.ops import IRTypeError, TensorType, infer_type
-from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, For, Kernel, Load, Select, Special, Unary, Var
+from sextant.kernel.ir import (
+    Assign,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    Select,
+    Special,
+    Store,
+    Unary,
+    Var,
+)
 
 MAX_UNROLL = 512  # For(unroll=True) with constant bounds is unrolled up to this many iterations
 
@@ -51,6 +67,9 @@ class LoweringBase:
 
     def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:
         """The index a load uses (the race-checking CPU lowering checks it here)."""
+        return index
+
+    def _store_index(self, buffer: str, index: ir.Value) -> ir.Value:
         return index
 
     # -- shared -------------------------------------------------------------------------------
@@ -102,6 +121,38 @@ class LoweringBase:
             self._stmts(s.body)
 
         self._loop(start, stop, s.step, body, s.var.name)
+
+    def _structured_stmt(self, s: object) -> bool:
+        """Lower an ``Assign``, ``Store``, ``For`` or ``If`` (the statements both targets lower
+        alike); False for any other statement, which the target lowers itself."""
+        b = self.b
+        if isinstance(s, Assign):
+            if s.value.dtype != s.var.dtype:
+                raise self._fail(f"assigning a {s.value.dtype.value} value to register {s.var.name} "
+                                 f"({s.var.dtype.value})")
+            self.write_var(s.var, self._value(s.value))
+        elif isinstance(s, Store):
+            idx, val = self._value(s.index), self._value(s.value)  # the value's loads are checked first
+            buf, ptr = self._elem_ptr(s.buffer, self._store_index(s.buffer, idx))
+            if buf.dtype != s.value.dtype:
+                raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
+            b.store(self.math.to_mem(val, buf.dtype), ptr)
+        elif isinstance(s, For):
+            self._for(s)
+        elif isinstance(s, If):
+            cond = self._cond(s.cond)
+            if s.orelse:
+                with b.if_else(cond) as (then, orelse):
+                    with then:
+                        self._stmts(s.then)
+                    with orelse:
+                        self._stmts(s.orelse)
+            else:
+                with b.if_then(cond):
+                    self._stmts(s.then)
+        else:
+            return False
+        return True
 
     def _cond(self, e: Expr) -> ir.Value:
         if e.dtype != DType.bool:
