@@ -195,7 +195,61 @@ def snippet_tiny_ptxas() -> str:
     return "\n".join(line for line in log if "Compile time" not in line)  # the rest is deterministic
 
 
+@functools.cache
+def _gpt2_gpu_program():  # the built-in GPT-2 example, scheduled for sm_90 (no PTX needed)
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import gpu_target
+
+    model, args = EXAMPLES["gpt2"]()
+    return schedule(run_pipeline(sextant.capture(model, args)), gpu_target("sm_90"))
+
+
+def snippet_gpt2_roofline() -> str:
+    """Where the predicted H100 time of the GPT-2 example goes (the report's summary, as text)."""
+    from sextant.report.cost import program_costs
+    from sextant.report.roofline import estimate, kernel_totals, time_by_bound
+
+    program = _gpt2_gpu_program()
+    costs = program_costs(program)
+    ests = [estimate(c, "H100") for c in costs]
+    total = sum(e.time_s for e in ests)
+    lines = [f"{len(program.launches)} launches of {len(program.kernels)} unique kernels, "
+             f"{sum(c.flops for c in costs) / 1e6:.1f} MFLOP, {sum(c.bytes for c in costs) / 1e6:.2f} MB minimum "
+             f"traffic, {total * 1e6:.1f} us predicted on H100",
+             "", f"{'kind of time':<18}{'predicted':>12}{'share':>8}"]
+    lines += [f"{k:<18}{v * 1e6:>9.2f} us{v / total:>8.1%}" for k, v in time_by_bound(ests).items()]
+    head = f"{'kernel':<12}{'kind':<8}{'launches':>9}{'MFLOP':>8}{'min kB':>8}{'predicted':>12}{'share':>8}  bound"
+    lines += ["", head]
+    for r in kernel_totals(ests):
+        lines.append(f"{r.kernel:<12}{r.kind:<8}{r.launches:>9}{r.flops / 1e6:>8.2f}{r.bytes / 1e3:>8.1f}"
+                     f"{r.time_s * 1e6:>9.2f} us{r.share:>8.1%}  {r.bound}")
+    return "\n".join(lines)
+
+
+def snippet_tiny_launch_plan() -> str:
+    """The CUDA runtime's launch plan for the docs' TinyBlock: what the CUDA graph is built from."""
+    from sextant.runtime.cuda_graph import plan
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import gpu_target
+
+    program = schedule(run_pipeline(sextant.capture(*_tiny())), gpu_target("sm_90"))
+    p = plan(program)
+    kinds = {b.index: f"{b.kind}{b.index}" for b in program.buffers}
+    lines = []
+    for spec in p.launches:
+        deps = ", ".join(f"#{d}" for d in p.deps[spec.index]) or "-"
+        args = ", ".join(kinds[a] for a in spec.args)
+        lines.append(f"#{spec.index} {spec.kernel:<10} grid={spec.grid} block={spec.block} "
+                     f"params=({args}) after {deps}")
+    rebound = [f"{kinds[b]} -> " + ", ".join(f"#{li} param {slot}" for li, slot in uses)
+               for b, uses in sorted(p.bindings.items())]
+    lines.append("rebound per call: " + "; ".join(rebound))
+    return "\n".join(lines)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "gpt2-roofline": snippet_gpt2_roofline,
+    "tiny-launch-plan": snippet_tiny_launch_plan,
     "tiny-gpu-schedule": snippet_tiny_gpu_schedule,
     "tiny-gpu-kernel": snippet_tiny_gpu_kernel,
     "tiny-ptx": snippet_tiny_ptx,
