@@ -69,6 +69,19 @@ class TransformerBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class TinyBlock(nn.Module):
+    """LayerNorm → Linear → GELU with a residual: the docs' running example, small enough to read
+    whole (not in ``EXAMPLES``: the four models there are the test suite's)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
+
+
 class GPT2Logits(nn.Module):
     """Wraps a transformers GPT-2 so that export sees tensors only (no KV cache in the output)."""
 

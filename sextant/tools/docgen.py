@@ -27,24 +27,12 @@ import torch
 from torch import nn
 
 import sextant
-from sextant.examples import EXAMPLES
+from sextant.examples import EXAMPLES, TinyBlock
 from sextant.graph.passes import run_pipeline, trace_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"(<!-- sextant:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- sextant:end -->)", re.S)
-
-
-class TinyBlock(nn.Module):
-    """LayerNorm → Linear → GELU with a residual: small enough to read whole."""
-
-    def __init__(self, dim: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.nn.functional.gelu(self.fc(self.norm(x)))
 
 
 class Unsupported(nn.Module):
