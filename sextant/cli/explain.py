@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from sextant.cli.build import Build
 from sextant.graph.ir import Graph
+from sextant.schedule.dump import NOT_COMPUTED
 
 
 def si(value: float, unit: str) -> str:
@@ -108,8 +109,9 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
             if r.stack_frame:
                 res += f"  stack {r.stack_frame} B"
         p(f"  #{i:<2} {launch.kernel:<16} {g.kind:<11} {shape}{res}")
-        p(f"      fused: {' '.join(n.op for n in g.members)}")
-        locs = sorted({n.loc for n in g.members if n.loc})
+        computed = [n for n in program.computed_nodes(launch) if n.op not in NOT_COMPUTED]
+        p(f"      fused: {' '.join(n.op for n in computed)}")
+        locs = sorted({n.loc for n in computed if n.loc})
         if locs:
             p(f"      from:  {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")
         if costs is not None:

@@ -88,19 +88,8 @@ def split_args(program: Program, launch: Launch) -> tuple[tuple[int, ...], tuple
 
 
 def computed_nodes(program: Program, launch: Launch) -> list[Node]:
-    """The graph nodes a launch evaluates: its group's members and every inlined node between
-    them and the buffers it reads, in graph order."""
-    group = program.groups[launch.group]
-    reads = {id(program.buffers[b].node) for b in split_args(program, launch)[0]}
-    seen: set[int] = set()
-    stack = [*group.members, *group.outputs]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen or id(n) in reads:
-            continue
-        seen.add(id(n))
-        stack.extend(n.inputs)
-    return [n for n in program.graph.nodes if id(n) in seen]
+    """The graph nodes a launch evaluates (see :meth:`Program.computed_nodes`)."""
+    return program.computed_nodes(launch)
 
 
 def _needed_elements(v: Node, users: dict[int, list[Node]]) -> int:

@@ -8,6 +8,10 @@ if TYPE_CHECKING:
     from sextant.schedule.program import Program
 
 
+# leaves and pure re-indexing: not work a kernel does (movement ops become index arithmetic)
+NOT_COMPUTED = frozenset({"param", "input", "full", "iota", "reshape", "expand", "permute", "slice"})
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
@@ -22,8 +26,9 @@ def describe_program(p: Program) -> str:
              f"(arena {_mib(p.arena_bytes)})"]
     for li, launch in enumerate(p.launches):
         g = p.groups[launch.group]
-        ops = " ".join(m.op for m in g.members)
-        locs = sorted({m.loc for m in g.members if m.loc})
+        computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED]
+        ops = " ".join(n.op for n in computed)
+        locs = sorted({n.loc for n in computed if n.loc})
         args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
         k = p.kernels[launch.kernel]
         shape = f"grid={_dims(k.grid)} block={_dims(k.block)}" if p.target.is_gpu else f"blocks={launch.blocks}"

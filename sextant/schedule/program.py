@@ -66,6 +66,22 @@ class Program:
         out = {i for i in self.outputs if self.buffers[i].kind == "output"}
         return self.arena_bytes + sum(self.buffers[i].nbytes for i in out)
 
+    def computed_nodes(self, launch: Launch) -> list[Node]:
+        """The graph nodes a launch evaluates, in graph order: its group's members and every node
+        inlined between them and the buffers it reads (a prologue such as softmax's ``x - max``
+        belongs to no group: each kernel that reads it recomputes it)."""
+        group = self.groups[launch.group]
+        reads = {id(self.buffers[b].node) for b in launch.args[:len(launch.args) - len(group.outputs)]}
+        seen: set[int] = set()
+        stack = [*group.members, *group.outputs]
+        while stack:
+            n = stack.pop()
+            if id(n) in seen or id(n) in reads:
+                continue
+            seen.add(id(n))
+            stack.extend(n.inputs)
+        return [n for n in self.graph.nodes if id(n) in seen]
+
     def describe(self) -> str:
         """The schedule dump: which graph nodes went into which kernel, and refused fusions."""
         from sextant.schedule.dump import describe_program
