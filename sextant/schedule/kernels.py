@@ -7,6 +7,7 @@ of rows with plain loops, so LLVM can vectorise the innermost one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -48,8 +49,11 @@ from sextant.schedule.partition import Group, inlinable, is_buffer
 from sextant.schedule.target import TargetDesc
 
 BID = Special("bid", "x")
-MATMUL_BLOCK_M, MATMUL_BLOCK_N = 64, 64  # C tile per block: its B panel stays in L2
-MICRO_M, MICRO_N = 4, 16  # register tile: 4 x 16 f32 accumulators = 8 AVX2 registers
+MATMUL_BLOCK_M, MATMUL_BLOCK_N = 128, 64  # C tile per block (rounded to whole micro-tiles)
+MATMUL_BLOCK_M_PACKED = 256  # ... when B is packed: more row tiles share one packing pass
+PACK_ALIAS_BYTES = 4096  # B is packed when its row stride is a multiple of this (see matmul_kernel)
+MICRO_M: int | None = None  # register tile rows; None: chosen by :func:`micro_tile`
+MICRO_N: int | None = None  # register tile columns (a multiple of the f32 vector width)
 
 
 def external_buffers(group: Group, stored: set[int]) -> list[Node]:
@@ -214,6 +218,33 @@ def _ready(n: Node, regs: dict, members: set[int]) -> bool:
 
 
 # -- matmul ------------------------------------------------------------------------------------
+@functools.cache
+def host_f32_lanes() -> int:
+    """f32 lanes in the vectors LLVM uses on this CPU at O3: 16 with AVX-512, else 8 (AVX2).
+    The CPU target JIT-compiles for the host, so the micro-tile is sized for the host too
+    (``TargetDesc.vector_bytes`` says AVX2 for every CPU)."""
+    import llvmlite.binding as llvm
+
+    return 16 if "+avx512f" in llvm.get_host_cpu_features().flatten().split(",") else 8
+
+
+def micro_tile(target: TargetDesc) -> tuple[int, int]:
+    """(rows, columns) of the matmul register tile: two vectors of B per k and as many rows of A
+    as the registers allow, so each broadcast of A feeds two FMAs and enough independent
+    accumulator chains (mr·2) are in flight to cover the FMA latency on both FMA pipes.
+    AVX-512 (32 zmm): 8 × 32 = 16 accumulators; AVX2 (16 ymm): 6 × 16 = 12 accumulators, two
+    for B, one broadcast. Measured on one Zen 5 core (AVX-512, Linear 768→768 on 128 rows):
+    4×16 (the previous tile: 4 zmm accumulator chains, latency-bound) ~105 GFLOP/s, 8×32 ~195."""
+    lanes = host_f32_lanes()
+    mr = MICRO_M or (8 if lanes == 16 else 6)
+    nr = MICRO_N or 2 * lanes
+    return mr, nr
+
+
+def _whole_tiles(x: int, to: int) -> int:
+    return max(to, x // to * to)
+
+
 def _store_epilogue(e: ValueEmitter, group: Group, idx: Index) -> None:
     """Store every output of a contraction group for the element at ``idx`` (an index of the
     anchor; epilogue members are pointwise, so a reshaped output is the same element)."""
@@ -227,12 +258,23 @@ def _store_epilogue(e: ValueEmitter, group: Group, idx: Index) -> None:
 def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """C[b, i, j] = Σ_k A[b, i, k]·B[b, k, j] with the epilogue fused into the store.
 
-    A block owns a ``MATMUL_BLOCK_M`` × ``MATMUL_BLOCK_N`` tile of C (so its panel of B stays in
-    cache while it walks its rows) and computes it in ``MICRO_M`` × ``MICRO_N`` micro-tiles: the
-    accumulators of a micro-tile are a local array with constant indices only, which LLVM keeps
-    in vector registers; per k, ``MICRO_M`` values of A are broadcast against ``MICRO_N``
-    contiguous values of B (a weight ``permute`` is prepacked row-major by the scheduler). Tiles
-    cut by the matrix edge take a plain per-element path. The epilogue runs per element."""
+    A block owns a ``MATMUL_BLOCK_M`` × ``MATMUL_BLOCK_N`` tile of C and walks it strip by strip
+    of ``nr`` columns, each strip top to bottom in ``mr`` × ``nr`` micro-tiles (:func:`micro_tile`):
+    the accumulators are a local array with constant indices only, which LLVM keeps in vector
+    registers; per k, ``mr`` values of A are broadcast (folded into the FMA's memory operand)
+    against ``nr`` contiguous values of B (a weight ``permute`` is prepacked row-major by the
+    scheduler). 128 rows per block: the strip of B (k × ``nr``) is re-read from L2 by 16 row
+    tiles, A's rows by both strips (measured: 64 rows ~5% slower).
+
+    B is **packed** when its row stride is a multiple of 4 KiB (``n`` = 1024, 3072, ...): those
+    rows all map to the same few L1/L2 sets, so the strip did not stay in L2 and 768→3072 ran at
+    ~60% of 768→768. The block's first row tile of a strip copies what it reads into a local
+    ``[strip][k][nr]`` buffer while it computes (no separate packing pass, whose exposed memory
+    latency cost more than it saved), the later row tiles read the copy; blocks are then 256 rows
+    to share each copy. For other strides packing measured 5–10% slower, so it is not done.
+    Not done either: K-blocking (the strip of k × ``nr`` floats streams from L2 fast enough for
+    an 8×32 tile: ~16 B/cycle), packing A (8 broadcast streams, each sequential in k).
+    Tiles cut by the matrix edge take a plain per-element path. The epilogue runs per element."""
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape
@@ -241,11 +283,15 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     e, params, _ = _setup(group, stored)
     acc_t = accum_dtype(mm.dtype)
     zero = Const(0.0 if acc_t.is_float else 0, acc_t)
-    mr, nr = MICRO_M, MICRO_N
-    blocks_m, blocks_n = math.ceil(m / MATMUL_BLOCK_M), math.ceil(n / MATMUL_BLOCK_N)
+    mr, nr = micro_tile(target)
+    pack = n * b.dtype.itemsize % PACK_ALIAS_BYTES == 0
+    bm_ = _whole_tiles(MATMUL_BLOCK_M_PACKED if pack else MATMUL_BLOCK_M, mr)
+    bn_ = _whole_tiles(MATMUL_BLOCK_N, nr)
+    blocks_m, blocks_n = math.ceil(m / bm_), math.ceil(n / bn_)
     per_batch = blocks_m * blocks_n
     acc = Buffer("acc", acc_t, mr * nr, "local")
     tile = Buffer("tile", acc_t, mr * nr, "local")
+    packed = Buffer("bpack", acc_t, max(1, k * bn_), "local")
 
     def as_acc(v: Expr) -> Expr:
         return v if v.dtype == acc_t else Cast(v, acc_t)
@@ -255,14 +301,21 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
         _store_epilogue(e, group, (*bidx, i, j))
         e.regs.pop(id(mm))
 
-    def fast(bidx: Index, i0: Expr, j0: Expr) -> None:
+    def fast(bidx: Index, i0: Expr, j0: Expr, base: Expr, packing: bool) -> None:
         _loop(e, mr * nr, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
 
         def kstep(kk: Var) -> None:
             avals = [e.bind(as_acc(e.value(a, (*bidx, iadd(i0, c(r)), kk))), "a") for r in range(mr)]
+            row = e.bind(iadd(base, imul(kk, nr)), "pk")
 
             def col(j: Var) -> None:
-                bv = e.bind(as_acc(e.value(b, (*bidx, kk, iadd(j0, j)))), "b")
+                if not pack:
+                    bv = e.bind(as_acc(e.value(b, (*bidx, kk, iadd(j0, j)))), "b")
+                elif packing:
+                    bv = e.bind(as_acc(e.value(b, (*bidx, kk, iadd(j0, j)))), "b")
+                    e.emit(Store("bpack", iadd(row, j), bv))
+                else:
+                    bv = e.bind(Load("bpack", iadd(row, j), acc_t), "b")
                 for r in range(mr):
                     slot = iadd(c(r * nr), j)
                     e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
@@ -302,14 +355,25 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
         rem = e.bind(imod(t, per_batch), "t") if batch else t
         bm = e.bind(idiv(rem, blocks_n), "bm")
         bn = e.bind(imod(rem, blocks_n), "bn")
-        jstart, istart = imul(bn, MATMUL_BLOCK_N), imul(bm, MATMUL_BLOCK_M)
+        jstart = e.bind(imul(bn, bn_), "js")
+        istart = e.bind(imul(bm, bm_), "is")
 
-        def panel(j0: Var) -> None:
+        def panel(s: Var) -> None:
+            j0 = e.bind(iadd(jstart, imul(s, nr)), "j0")
+            base = e.bind(imul(s, k * nr), "sb")
+
             def micro(i0: Var) -> None:
                 full = Binary("bitwise_and", Binary("le", iadd(i0, c(mr)), c(m), DType.bool),
                               Binary("le", iadd(j0, c(nr)), c(n), DType.bool), DType.bool)
                 with e.scope() as then:
-                    fast(bidx, i0, j0)
+                    if pack:  # the block's first row tile of a strip packs it, the others read the copy
+                        with e.scope() as first:
+                            fast(bidx, i0, j0, base, packing=True)
+                        with e.scope() as rest:
+                            fast(bidx, i0, j0, base, packing=False)
+                        e.emit(If(Binary("eq", i0, istart, DType.bool), tuple(first), tuple(rest)))
+                    else:
+                        fast(bidx, i0, j0, base, packing=False)
                 with e.scope() as orelse:
                     edge(bidx, i0, j0)
                 e.emit(If(full, tuple(then), tuple(orelse)))
@@ -317,16 +381,17 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
             iv = e.var("i0")
             with e.scope() as stmts:
                 micro(iv)
-            e.emit(For(iv, istart, imin(iadd(istart, c(MATMUL_BLOCK_M)), c(m)), mr, tuple(stmts)))
+            e.emit(For(iv, istart, imin(iadd(istart, c(bm_)), c(m)), mr, tuple(stmts)))
 
-        jv = e.var("j0")
-        with e.scope() as stmts:
-            panel(jv)
-        e.emit(For(jv, jstart, imin(iadd(jstart, c(MATMUL_BLOCK_N)), c(n)), nr, tuple(stmts)))
+        if n % bn_ == 0:
+            _loop(e, bn_ // nr, panel, "s")
+        else:  # the last column block holds fewer strips (a partial one takes the edge path)
+            _loop(e, 0, panel, "s", stop=imin(c(bn_ // nr), idiv(iadd(c(n + nr - 1), imul(jstart, -1)), nr)))
 
     if mm.type.numel:
         block(BID)
-    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts), local=(acc, tile))
+    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts),
+                  local=(acc, tile, packed) if pack else (acc, tile))
 
 
 # -- convolution ----------------------------------------------------------------------------------
