@@ -7,7 +7,6 @@ of rows with plain loops, so LLVM can vectorise the innermost one.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -218,16 +217,6 @@ def _ready(n: Node, regs: dict, members: set[int]) -> bool:
 
 
 # -- matmul ------------------------------------------------------------------------------------
-@functools.cache
-def host_f32_lanes() -> int:
-    """f32 lanes in the vectors LLVM uses on this CPU at O3: 16 with AVX-512, else 8 (AVX2).
-    The CPU target JIT-compiles for the host, so the micro-tile is sized for the host too
-    (``TargetDesc.vector_bytes`` says AVX2 for every CPU)."""
-    import llvmlite.binding as llvm
-
-    return 16 if "+avx512f" in llvm.get_host_cpu_features().flatten().split(",") else 8
-
-
 def micro_tile(target: TargetDesc) -> tuple[int, int]:
     """(rows, columns) of the matmul register tile: two vectors of B per k and as many rows of A
     as the registers allow, so each broadcast of A feeds two FMAs and enough independent
@@ -235,8 +224,8 @@ def micro_tile(target: TargetDesc) -> tuple[int, int]:
     AVX-512 (32 zmm): 8 × 32 = 16 accumulators; AVX2 (16 ymm): 6 × 16 = 12 accumulators, two
     for B, one broadcast. Measured on one Zen 5 core (AVX-512, Linear 768→768 on 128 rows):
     4×16 (the previous tile: 4 zmm accumulator chains, latency-bound) ~105 GFLOP/s, 8×32 ~195."""
-    lanes = host_f32_lanes()
-    mr = MICRO_M or (8 if lanes == 16 else 6)
+    lanes = max(1, target.vector_bytes // 4)
+    mr = MICRO_M or (8 if lanes >= 16 else 6)
     nr = MICRO_N or 2 * lanes
     return mr, nr
 

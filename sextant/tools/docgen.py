@@ -29,9 +29,13 @@ from torch import nn
 import sextant
 from sextant.examples import EXAMPLES, TinyBlock
 from sextant.graph.passes import run_pipeline, trace_pipeline
+from sextant.schedule.target import cpu_target
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# the CPU the docs' schedules are shown for, fixed so the docs do not depend on the machine
+# that regenerates them: 2 cores with AVX2 (the CPU target otherwise detects the host's)
+DOCS_CPU = cpu_target(cores=2, vector_bytes=32)
 _BLOCK = re.compile(r"(<!-- sextant:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- sextant:end -->)", re.S)
 
 
@@ -106,9 +110,8 @@ def snippet_unsupported_error() -> str:
 
 def _tiny_program():
     from sextant.schedule.program import schedule
-    from sextant.schedule.target import cpu_target
 
-    return schedule(run_pipeline(sextant.capture(*_tiny())), cpu_target())
+    return schedule(run_pipeline(sextant.capture(*_tiny())), DOCS_CPU)
 
 
 def snippet_tiny_schedule() -> str:
@@ -132,10 +135,9 @@ def snippet_tiny_llvm() -> str:
 
 def snippet_gpt2_schedule() -> str:
     from sextant.schedule.program import schedule
-    from sextant.schedule.target import cpu_target
 
     model, args = EXAMPLES["gpt2"]()
-    return schedule(run_pipeline(sextant.capture(model, args)), cpu_target()).describe()
+    return schedule(run_pipeline(sextant.capture(model, args)), DOCS_CPU).describe()
 
 
 @functools.cache
