@@ -97,8 +97,13 @@ def _machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} torch threads")
+    import llvmlite.binding as llvm
+
+    from sextant.schedule.target import host_vector_bytes
+
+    isa = "AVX-512" if host_vector_bytes() == 64 else "AVX2"
+    return (f"{cpu} ({llvm.get_host_cpu_name()}, {isa}), {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
 
 
 HAND_WRITTEN = "<!-- hand-written below: kept when make bench rewrites the table -->"
