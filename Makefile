@@ -1,5 +1,5 @@
 # sextant — the two commands a newcomer needs: `make demo` and `make test`.
-# Both create .venv if missing and install everything (torch first, pinned: see DEVELOPERS.md).
+# Both create .venv if missing and install everything (torch first, pinned: the README's Development section).
 
 PY ?= python3
 VENV := .venv
