@@ -33,14 +33,12 @@ from sextant.codegen.libdevice import NVPTX_MATH, link_libdevice
 from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
 from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
-from sextant.codegen.simt import WARP_OPS, iter_expr, iter_stmts, stmt_exprs
+from sextant.codegen.simt import WARP_OPS, register_types
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
-    Assign,
     Barrier,
     Buffer,
     Expr,
-    For,
     Kernel,
     Special,
     Stmt,
@@ -182,30 +180,6 @@ def _shared_bytes(k: Kernel) -> int:
     return sum(s.size * s.dtype.itemsize for s in k.shared)
 
 
-def _var_types(k: Kernel) -> dict[str, DType]:
-    """Every register's dtype (one per name) and a check that each is assigned somewhere."""
-    types: dict[str, DType] = {}
-    assigned: set[str] = set()
-
-    def note(v: Var) -> None:
-        if types.setdefault(v.name, v.dtype) != v.dtype:
-            raise CodegenError(f"kernel {k.name}: register {v.name!r} is used both as "
-                               f"{types[v.name].value} and {v.dtype.value}")
-
-    for s in iter_stmts(k.body):
-        if isinstance(s, Assign | WarpReduce | For):
-            note(s.var)
-            assigned.add(s.var.name)
-        for e in stmt_exprs(s):
-            for x in iter_expr(e):
-                if isinstance(x, Var):
-                    note(x)
-    unassigned = sorted(set(types) - assigned)
-    if unassigned:
-        raise CodegenError(f"kernel {k.name}: register(s) {', '.join(unassigned)} are read but never assigned")
-    return types
-
-
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _Lowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel):
@@ -255,7 +229,7 @@ class _Lowering(LoweringBase):
             a.align = 16
             a.type = ir.PointerType()
             self.buffers[loc.name] = (loc, a)
-        self.var_types = _var_types(k)
+        self.var_types = register_types(k, k.body)
         for name, dt in self.var_types.items():
             a = self.b.alloca(reg_type(dt), name=f"r.{name}")
             a.type = ir.PointerType()

@@ -267,7 +267,7 @@ def plan_kernel(kernel: Kernel, *, mark_barriers: bool = False) -> SimtPlan:
     checker needs to tell a barrier from a phase boundary made by a ``WarpReduce``."""
     threads = kernel.threads_per_block
     body = strip_sync(kernel.body) if threads == 1 else kernel.body
-    var_types = _check_vars(kernel, body)
+    var_types = register_types(kernel, body)
     if threads == 1 or not any(has_sync(s) for s in body):
         return SimtPlan(threads, [Phase(tuple(body), 0, False)] if body else [], var_types)
     planner = _Planner(kernel, _Uniformity(body, kernel.block), mark_barriers)
@@ -283,8 +283,9 @@ def plan_kernel(kernel: Kernel, *, mark_barriers: bool = False) -> SimtPlan:
                     frozenset(planner.uniform_loop_vars), per_thread_locals & locals_, planner.exchanges)
 
 
-def _check_vars(kernel: Kernel, body: Sequence[Stmt]) -> dict[str, DType]:
-    """Every register has one dtype and is assigned somewhere."""
+def register_types(kernel: Kernel, body: Sequence[Stmt]) -> dict[str, DType]:
+    """Every register's dtype (one per name), checking that each is assigned somewhere; shared by the
+    CPU (SIMT) and NVPTX lowerings."""
     types: dict[str, DType] = {}
     assigned: set[str] = set()
 
