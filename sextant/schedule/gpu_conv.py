@@ -37,7 +37,7 @@ from sextant.schedule.gpu_kernels import (
     gpu_direct_conv_kernel,
 )
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul
-from sextant.schedule.kernels import _setup, _store_epilogue
+from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 
@@ -84,7 +84,7 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     stride, padding, dilation = (cv.attr(a) for a in ("stride", "padding", "dilation"))
     nb, osp, isp = cv.shape[0], tuple(cv.shape[2:]), tuple(x.shape[2:])
     positions, k = nb * math.prod(osp), cin_g * math.prod(ksp)
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     tiles = GemmTiles(e, accum_dtype(cv.dtype))
     grid, (bn, bm, g) = _grid(e, (-(-positions // MM_TILE_N), -(-cout_g // MM_TILE_M), groups))
     meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
@@ -133,7 +133,7 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
 
     def store(row: Expr, col: Expr) -> None:
         n, o = position(col)
-        _store_epilogue(e, group, (n, iadd(channel0, row), *o))
+        store_epilogue(e, group, (n, iadd(channel0, row), *o))
 
     tiles.k_loop(k, load_tiles)
     tiles.store(i0, j0, cout_g, positions, cv, store)

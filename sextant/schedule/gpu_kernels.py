@@ -58,7 +58,7 @@ from sextant.schedule.indexing import (
     linearize,
     reduce_identity,
 )
-from sextant.schedule.kernels import _ready, _setup, _store_epilogue, conv_accumulate
+from sextant.schedule.kernels import conv_accumulate, regs_ready, setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 
@@ -196,7 +196,7 @@ def gpu_elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, n
     output; the last one is guarded by ``if i < numel / w`` (omitted when the blocks divide it
     exactly). All outputs of the group share the anchor's shape (as in the CPU mapping)."""
     out = group.outputs[0]
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     numel = out.type.numel
     width = elementwise_vector_width(out, target)
     items = numel // width
@@ -284,7 +284,7 @@ def _reduce_row(e: ValueEmitter, rs: _Rows, row_idx: Index, lane: Expr, lanes: i
         k += 1
         e.regs[id(m)] = result if acc_t == m.dtype else e.bind(Cast(result, m.dtype))
         for v in rs.group.members:
-            if v.op != "reduce" and v.shape == rs.row_shape and _ready(v, e.regs, rs.members):
+            if v.op != "reduce" and v.shape == rs.row_shape and regs_ready(v, e.regs, rs.members):
                 e.value(v, at_row)
 
 
@@ -345,7 +345,7 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
     coalesced; over an outer axis they are not — mapping lanes across rows there is future work.)
     """
     rs = _Rows(group)
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     meta: dict = {}
     shared: list[Buffer] = []
     if rs.n_red <= SHORT_ROW:
@@ -559,7 +559,7 @@ def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
     *batch, m, k = a.shape
     n = b.shape[-1]
     nb = math.prod(batch)
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     tiles = GemmTiles(e, accum_dtype(mm.dtype))
     grid, (bn, bm, bz) = _grid(e, (-(-n // MM_TILE_N), -(-m // MM_TILE_M), nb))
     meta = {"mapping": "tiled", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K), "micro_tile": (MM_MICRO_M, MM_MICRO_N)}
@@ -576,7 +576,7 @@ def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
         tiles.load_tile("Bs", MM_TILE_K, MM_TILE_N, k0, j0, k, n, operand(b))
 
     tiles.k_loop(k, load_tiles)
-    tiles.store(i0, j0, m, n, mm, lambda row, col: _store_epilogue(e, group, (*bidx, row, col)))
+    tiles.store(i0, j0, m, n, mm, lambda row, col: store_epilogue(e, group, (*bidx, row, col)))
     return tiles.kernel(name, params, grid, target, meta)
 
 
@@ -593,7 +593,7 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
     fewer than ``CONV_GEMM_MIN_CHANNELS`` output channels per group (depthwise ones), where the
     implicit GEMM's 64-row tiles would be mostly empty."""
     cv = group.anchor
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     numel = cv.type.numel
     acc_t = accum_dtype(cv.dtype)
     threads = _threads_for(numel, target, CONV_THREADS)
@@ -605,7 +605,7 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
             oidx = delinearize(i, cv.shape)
             acc = conv_accumulate(e, cv, oidx)
             e.regs[id(cv)] = acc if acc_t == cv.dtype else e.bind(Cast(acc, cv.dtype))
-            _store_epilogue(e, group, oidx)
+            store_epilogue(e, group, oidx)
             e.regs.pop(id(cv))
 
         _guarded(e, _bool("lt", i, c(numel)) if numel % threads else None, body)

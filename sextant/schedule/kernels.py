@@ -79,7 +79,9 @@ def external_buffers(group: Group, stored: set[int]) -> list[Node]:
     return found
 
 
-def _setup(group: Group, stored: set[int]) -> tuple[ValueEmitter, list[Buffer], list[Node]]:
+def setup_kernel(group: Group, stored: set[int]) -> tuple[ValueEmitter, list[Buffer], list[Node]]:
+    """The canonical parameters of a group's kernel (``in0..`` for the buffers it reads, ``out0..``
+    for its stored outputs) and a value emitter over them: shared by the CPU and GPU mappings."""
     ins = external_buffers(group, stored)
     names = {id(n): f"in{k}" for k, n in enumerate(ins)}
     params = [Buffer(f"in{k}", n.dtype, n.type.numel, "global", "in") for k, n in enumerate(ins)]
@@ -119,7 +121,7 @@ def elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, name:
     """Each block takes a chunk of the output's rows (all dims but the last); the last dim is
     the innermost loop, contiguous in the output."""
     out = group.outputs[0]
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     shape = out.shape or (1,)
     inner = shape[-1]
     rows = math.prod(shape[:-1])
@@ -151,7 +153,7 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     red_shape = [shape[d] for d in axes]
     n_red = math.prod(red_shape)
     rows = math.prod(shape[d] for d in row_dims)
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     blocks, per = _chunks(rows, target, n_red * len(group.members))
     row_shape = tuple(1 if d in axes else s for d, s in enumerate(shape))
     members = {id(m) for m in group.members}
@@ -188,7 +190,7 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
             result = acc if acc_t == m.dtype else e.bind(Cast(acc, m.dtype))
             e.regs[id(m)] = result
             for v in group.members:  # row values computable now: once per row, not per element
-                if v.op != "reduce" and v.shape == row_shape and _ready(v, e.regs, members):
+                if v.op != "reduce" and v.shape == row_shape and regs_ready(v, e.regs, members):
                     e.value(v, at_row)
         for k, o in enumerate(group.outputs):
             if o.shape == row_shape:
@@ -209,11 +211,11 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts))
 
 
-def _ready(n: Node, regs: dict, members: set[int]) -> bool:
+def regs_ready(n: Node, regs: dict, members: set[int]) -> bool:
     """Whether every reduction of the group that ``n`` depends on has its register set."""
     if n.op == "reduce" and id(n) in members:
         return id(n) in regs
-    return all(_ready(i, regs, members) for i in n.inputs)
+    return all(regs_ready(i, regs, members) for i in n.inputs)
 
 
 # -- matmul ------------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def _whole_tiles(x: int, to: int) -> int:
     return max(to, x // to * to)
 
 
-def _store_epilogue(e: ValueEmitter, group: Group, idx: Index) -> None:
+def store_epilogue(e: ValueEmitter, group: Group, idx: Index) -> None:
     """Store every output of a contraction group for the element at ``idx`` (an index of the
     anchor; epilogue members are pointwise, so a reshaped output is the same element)."""
     anchor = group.anchor
@@ -269,7 +271,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     *batch, m, k = a.shape
     n = b.shape[-1]
     nb = math.prod(batch)
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     acc_t = accum_dtype(mm.dtype)
     zero = Const(0.0 if acc_t.is_float else 0, acc_t)
     mr, nr = micro_tile(target)
@@ -287,7 +289,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
 
     def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
         e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
-        _store_epilogue(e, group, (*bidx, i, j))
+        store_epilogue(e, group, (*bidx, i, j))
         e.regs.pop(id(mm))
 
     def fast(bidx: Index, i0: Expr, j0: Expr, base: Expr, packing: bool) -> None:
@@ -434,7 +436,7 @@ def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -
     cv = group.anchor
     w = cv.inputs[1]
     out_shape = cv.shape
-    e, params, _ = _setup(group, stored)
+    e, params, _ = setup_kernel(group, stored)
     acc_t = accum_dtype(cv.dtype)
     rows = math.prod(out_shape[:-1])
     blocks, per = _chunks(rows, target, out_shape[-1] * w.shape[1] * math.prod(w.shape[2:]))
@@ -446,7 +448,7 @@ def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -
             oidx = (*lead, ow)
             acc = conv_accumulate(e, cv, oidx)
             e.regs[id(cv)] = acc if acc_t == cv.dtype else e.bind(Cast(acc, cv.dtype))
-            _store_epilogue(e, group, oidx)
+            store_epilogue(e, group, oidx)
             e.regs.pop(id(cv))
 
         _loop(e, out_shape[-1], col, "ow")
