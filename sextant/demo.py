@@ -100,6 +100,7 @@ def _gpu_stage(model: torch.nn.Module, args: tuple, fresh: list[torch.Tensor], e
                p: Callable[..., None], show_ir: bool) -> float:
     """Step 7: the same model for an NVIDIA GPU — GPU schedules, PTX from LLVM's NVPTX backend,
     ptxas — run on the GPU when there is one, else through cuda-sim (the same kernels on the CPU)."""
+    from sextant.codegen.llvm_nvptx import ptx_entries
     from sextant.runtime.cuda import CudaUnavailableError, require_cuda
 
     try:
@@ -117,7 +118,7 @@ def _gpu_stage(model: torch.nn.Module, args: tuple, fresh: list[torch.Tensor], e
     first = ptx.kernels[0].name
     if show_ir:
         p(f"\n-- PTX of {first} (first lines of {len(ptx.ptx.splitlines())} for {len(ptx.kernels)} kernels)")
-        p(_ptx_excerpt(ptx.ptx, first, 24))
+        p("\n".join(ptx_entries(ptx.ptx)[first].splitlines()[:24]))
     inputs = [x.cuda() for x in fresh] if target == "cuda" else fresh
     out = compiled(*inputs)
     gpu_err = (out.cpu() - expected).abs().max().item()
@@ -125,13 +126,6 @@ def _gpu_stage(model: torch.nn.Module, args: tuple, fresh: list[torch.Tensor], e
     p(f"   {where}: {why}")
     p(f"   max |sextant {target} - eager| = {gpu_err:.3g}")
     return gpu_err
-
-
-def _ptx_excerpt(ptx: str, entry: str, lines: int) -> str:
-    """The first ``lines`` lines of ``.entry entry`` in ``ptx``."""
-    text = ptx.splitlines()
-    start = next((i for i, line in enumerate(text) if f".entry {entry}" in line), 0)
-    return "\n".join(text[start:start + lines])
 
 
 def _time(fn: Callable[[], object], runs: int = 20) -> float:

@@ -5,14 +5,14 @@ and diffed between two versions of sextant or of the model.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sextant.cli.build import Build
 from sextant.cli.errors import CliError, ExitCode
-from sextant.cli.sass import MISSING, disassemble, find_disassembler, split_sass
+from sextant.codegen.llvm_nvptx import ptx_entry_spans
+from sextant.codegen.sass import MISSING, disassemble, find_disassembler, split_sass
 from sextant.graph.printer import print_graph
 from sextant.kernel.printer import print_kernel
 
@@ -41,22 +41,11 @@ def parse_stages(text: str) -> list[str]:
 
 def split_ptx(ptx: str) -> tuple[str, dict[str, str]]:
     """(module-level text, {kernel: its ``.entry``}): prelude + one entry is a PTX file ptxas accepts."""
-    prelude: list[str] = []
-    entries: dict[str, str] = {}
     lines = ptx.splitlines()
-    i = 0
-    while i < len(lines):
-        m = re.match(r"\.(?:visible\s+|weak\s+)?\.?entry\s+(\w+)", lines[i])
-        if not m:
-            if not lines[i].lstrip().startswith("// .globl"):
-                prelude.append(lines[i])
-            i += 1
-            continue
-        start = i
-        while i < len(lines) and lines[i] != "}":
-            i += 1
-        entries[m.group(1)] = "\n".join(lines[start:i + 1]) + "\n"
-        i += 1
+    spans = ptx_entry_spans(ptx)
+    inside = {i for a, b in spans.values() for i in range(a, b)}
+    prelude = [line for i, line in enumerate(lines) if i not in inside and not line.lstrip().startswith("// .globl")]
+    entries = {name: "\n".join(lines[a:b]) + "\n" for name, (a, b) in spans.items()}
     return "\n".join(prelude).rstrip() + "\n", entries
 
 

@@ -176,6 +176,37 @@ def emit_ptx(kernels: Sequence[Kernel], arch: str = DEFAULT_ARCH, ptx_isa: int |
     return PtxModule(asm, arch, infos, text, optimized, tuple(linked), timings)
 
 
+_PTX_ENTRY = re.compile(r"^(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)\s*\(")
+
+
+def ptx_entry_spans(ptx: str) -> dict[str, tuple[int, int]]:
+    """The line range ``[start, end)`` of each ``.entry`` of a PTX text (header to its closing
+    brace), by kernel name: the one place that splits PTX per kernel (dumps, report, docs)."""
+    out: dict[str, tuple[int, int]] = {}
+    lines = ptx.splitlines()
+    i = 0
+    while i < len(lines):
+        m = _PTX_ENTRY.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, depth, opened = i, 0, False
+        while i < len(lines):
+            depth += lines[i].count("{") - lines[i].count("}")
+            opened = opened or "{" in lines[i]
+            i += 1
+            if opened and depth == 0:
+                break
+        out[m.group(1)] = (start, i)
+    return out
+
+
+def ptx_entries(ptx: str) -> dict[str, str]:
+    """Each ``.entry`` of a PTX text (header to closing brace), by kernel name."""
+    lines = ptx.splitlines()
+    return {name: "\n".join(lines[a:b]) for name, (a, b) in ptx_entry_spans(ptx).items()}
+
+
 def _shared_bytes(k: Kernel) -> int:
     return sum(s.size * s.dtype.itemsize for s in k.shared)
 

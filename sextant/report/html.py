@@ -15,13 +15,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sextant.codegen.llvm_nvptx import ptx_entries
 from sextant.graph.ir import Node
 from sextant.graph.printer import print_graph
 from sextant.kernel.printer import print_kernel
 from sextant.report.charts import roofline_svg, seconds, si, time_bars
 from sextant.report.cost import LaunchCost, computed_nodes, program_costs
 from sextant.report.graph_svg import HIDDEN_OPS, KIND_COLORS, graph_svg, op_label
-from sextant.report.listings import llvm_functions, ptx_entries, sass_functions
+from sextant.report.listings import llvm_functions, sass_functions
 from sextant.report.roofline import GPUS, Estimate, GpuSpec, estimate, gpu_spec, kernel_totals, time_by_bound
 from sextant.report.sources import source_line
 from sextant.schedule.program import Program

@@ -155,17 +155,11 @@ def snippet_tiny_gpu_kernel() -> str:
     return print_kernel(_tiny_gpu().stages["program"].kernels["reduce_0"])
 
 
-def ptx_entry(ptx: str, name: str) -> str:
-    """The text of ``.entry name`` (its signature and body) in a PTX module."""
-    lines = ptx.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f".visible .entry {name}("))
-    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
-    return "\n".join(lines[start:end + 1])
-
-
 def snippet_tiny_ptx() -> str:
     """The LayerNorm kernel's whole PTX entry (warp-per-row: two shuffle butterflies)."""
-    return ptx_entry(_tiny_gpu().stages["ptx"].ptx, "reduce_0")
+    from sextant.codegen.llvm_nvptx import ptx_entries
+
+    return ptx_entries(_tiny_gpu().stages["ptx"].ptx)["reduce_0"]
 
 
 def snippet_tiny_ptx_excerpt() -> str:
@@ -219,10 +213,8 @@ def snippet_gpt2_roofline() -> str:
 def snippet_tiny_launch_plan() -> str:
     """The CUDA runtime's launch plan for the docs' TinyBlock: what the CUDA graph is built from."""
     from sextant.runtime.cuda_graph import plan
-    from sextant.schedule.program import schedule
-    from sextant.schedule.target import gpu_target
 
-    program = schedule(run_pipeline(sextant.capture(*_tiny())), gpu_target("sm_90"))
+    program = _tiny_gpu().stages["program"]
     p = plan(program)
     kinds = {b.index: f"{b.kind}{b.index}" for b in program.buffers}
     lines = []

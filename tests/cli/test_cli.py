@@ -17,8 +17,8 @@ import pytest
 from sextant.cli.build import cuda_unavailable
 from sextant.cli.errors import ExitCode
 from sextant.cli.main import main
-from sextant.cli.sass import find_disassembler
 from sextant.codegen.ptxas import find_ptxas
+from sextant.codegen.sass import find_disassembler
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]

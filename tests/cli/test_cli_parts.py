@@ -12,7 +12,7 @@ from sextant.cli.errors import CliError, ExitCode
 from sextant.cli.explain import op_delta, si
 from sextant.cli.progress import LABELS, Progress
 from sextant.cli.run import compare, fresh_inputs
-from sextant.cli.sass import split_sass
+from sextant.codegen.sass import split_sass
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import sextant
+from sextant.codegen.llvm_nvptx import ptx_entries
+from sextant.codegen.sass import find_disassembler
 from sextant.examples import mlp
 from sextant.report.html import render_report
-from sextant.report.listings import find_disassembler, llvm_functions, ptx_entries
+from sextant.report.listings import llvm_functions
 from sextant.report.sources import source_line
 from sextant.runtime.compiled import CompiledModule
 

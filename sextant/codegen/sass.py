@@ -3,6 +3,7 @@
 ``nvdisasm`` or ``cuobjdump`` come with the CUDA toolkit, or from PyPI (``nvidia-cuda-nvdisasm``,
 5 MB), which the ``dev`` extra installs. They need no GPU. When neither is found, SASS is skipped
 with a note saying why, not an error: it is an extra view, not something compilation needs.
+Used by the ``sextant`` command's ``--dump sass`` and by the compile report.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def disassemble(cubin: bytes, tool: Path) -> str:
     return proc.stdout
 
 
-def split_sass(text: str, names: list[str]) -> dict[str, str]:
-    """Each kernel's part of a disassembly: nvdisasm's ``.text.NAME`` sections, or cuobjdump's
-    ``Function : NAME`` blocks."""
+def split_sass(text: str, names: list[str] | None = None) -> dict[str, str]:
+    """Each kernel's part of a disassembly (of ``names``, or of every kernel found): nvdisasm's
+    ``.text.NAME`` sections, or cuobjdump's ``Function : NAME`` blocks."""
     starts: list[tuple[int, str]] = []  # every section header ends the previous kernel's part
     for m in re.finditer(r"^//-{5,} (\S+)\s+-{5,}$|^\s*Function : (\S+)$", text, re.M):
         section = m.group(1)
@@ -63,4 +64,4 @@ def split_sass(text: str, names: list[str]) -> dict[str, str]:
     for i, (pos, name) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
         parts[name] = text[pos:end].rstrip() + "\n"
-    return {n: parts[n] for n in names if n in parts}
+    return parts if names is None else {n: parts[n] for n in names if n in parts}
