@@ -8,20 +8,16 @@ are judged before running anything.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sextant.codegen.cuda_tools import find_cuda_tool
 from sextant.codegen.errors import CodegenError
 
-_TOOLKIT_DIRS = ("/usr/local/cuda/bin",)
-_WHEEL_BINS = ("cu13/bin/ptxas", "cuda_nvcc/bin/ptxas")  # nvidia-cuda-nvcc (CUDA 13), -cu12
 TIMEOUT_S = 300
 
 
@@ -55,22 +51,11 @@ class PtxasResult:
 def find_ptxas() -> Path:
     """ptxas from ``PATH``, the CUDA toolkit (``$CUDA_HOME/bin`` or /usr/local/cuda/bin), or
     PyPI's ``nvidia-cuda-nvcc`` wheel."""
-    found = shutil.which("ptxas")
-    if found:
-        return Path(found)
-    dirs = [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    for d in (*dirs, *_TOOLKIT_DIRS):
-        p = Path(d) / "ptxas"
-        if p.is_file() and os.access(p, os.X_OK):
-            return p
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for rel in _WHEEL_BINS:
-            p = Path(root) / rel
-            if p.is_file() and os.access(p, os.X_OK):
-                return p
-    raise PtxasError("ptxas was not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin, nor in the "
-                     "nvidia-cuda-nvcc wheel; install the CUDA toolkit or `pip install nvidia-cuda-nvcc`")
+    found = find_cuda_tool("ptxas")
+    if found is None:
+        raise PtxasError("ptxas was not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin, nor in the "
+                         "nvidia-cuda-nvcc wheel; install the CUDA toolkit or `pip install nvidia-cuda-nvcc`")
+    return found
 
 
 def assemble(ptx: str, arch: str, extra_args: tuple[str, ...] = ()) -> PtxasResult:

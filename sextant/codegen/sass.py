@@ -8,16 +8,13 @@ Used by the ``sextant`` command's ``--dump sass`` and by the compile report.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-_TOOLKIT_DIRS = ("/usr/local/cuda/bin",)
-_WHEEL_DIRS = ("cu13/bin", "cu12/bin", "cuda_nvdisasm/bin", "cuda_cuobjdump/bin")
+from sextant.codegen.cuda_tools import find_cuda_tool
+
 TOOLS = ("nvdisasm", "cuobjdump")
 TIMEOUT_S = 120
 MISSING = ("neither nvdisasm nor cuobjdump was found on PATH, in $CUDA_HOME/bin or in the nvidia-cuda-nvdisasm "
@@ -26,19 +23,7 @@ MISSING = ("neither nvdisasm nor cuobjdump was found on PATH, in $CUDA_HOME/bin 
 
 def find_disassembler() -> Path | None:
     """nvdisasm (preferred: its output has one section per kernel) or cuobjdump, wherever installed."""
-    dirs = [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    for tool in TOOLS:
-        found = shutil.which(tool)
-        if found:
-            return Path(found)
-        candidates = [Path(d) / tool for d in (*dirs, *_TOOLKIT_DIRS)]
-        candidates += [Path(r) / w / tool for r in roots for w in _WHEEL_DIRS]
-        for p in candidates:
-            if p.is_file() and os.access(p, os.X_OK):
-                return p
-    return None
+    return next((p for p in map(find_cuda_tool, TOOLS) if p is not None), None)
 
 
 def disassemble(cubin: bytes, tool: Path) -> str:

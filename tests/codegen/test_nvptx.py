@@ -346,13 +346,13 @@ def test_ptxas_errors_carry_its_message():
 
 
 def test_find_ptxas_names_how_to_install(monkeypatch, tmp_path):
-    import sextant.codegen.ptxas as ptxas_mod
+    import sextant.codegen.cuda_tools as cuda_tools
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(ptxas_mod, "_TOOLKIT_DIRS", (str(tmp_path),))
-    monkeypatch.setattr(ptxas_mod.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(cuda_tools, "TOOLKIT_DIRS", (str(tmp_path),))
+    monkeypatch.setattr(cuda_tools.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(PtxasError, match="pip install nvidia-cuda-nvcc"):
         find_ptxas()
 
@@ -361,7 +361,7 @@ def test_find_ptxas_in_the_nvidia_cuda_nvcc_wheel(monkeypatch, tmp_path):
     """Without a toolkit, ptxas comes from PyPI's nvidia-cuda-nvcc (``make test`` installs it then)."""
     import types
 
-    import sextant.codegen.ptxas as ptxas_mod
+    import sextant.codegen.cuda_tools as cuda_tools
 
     exe = tmp_path / "site" / "nvidia" / "cu13" / "bin" / "ptxas"
     exe.parent.mkdir(parents=True)
@@ -370,9 +370,9 @@ def test_find_ptxas_in_the_nvidia_cuda_nvcc_wheel(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
-    monkeypatch.setattr(ptxas_mod, "_TOOLKIT_DIRS", ())
+    monkeypatch.setattr(cuda_tools, "TOOLKIT_DIRS", ())
     spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "site" / "nvidia")])
-    monkeypatch.setattr(ptxas_mod.importlib.util, "find_spec", lambda name: spec if name == "nvidia" else None)
+    monkeypatch.setattr(cuda_tools.importlib.util, "find_spec", lambda name: spec if name == "nvidia" else None)
     assert find_ptxas() == exe
 
 
