@@ -87,11 +87,6 @@ def split_args(program: Program, launch: Launch) -> tuple[tuple[int, ...], tuple
     return reads, writes
 
 
-def computed_nodes(program: Program, launch: Launch) -> list[Node]:
-    """The graph nodes a launch evaluates (see :meth:`Program.computed_nodes`)."""
-    return program.computed_nodes(launch)
-
-
 def _needed_elements(v: Node, users: dict[int, list[Node]]) -> int:
     """How many elements of ``v`` the launch must read, given how its users (inside the launch) index it."""
     total = 0
@@ -110,7 +105,7 @@ def _needed_elements(v: Node, users: dict[int, list[Node]]) -> int:
 def launch_cost(program: Program, index: int) -> LaunchCost:
     launch = program.launches[index]
     group = program.groups[launch.group]
-    nodes = computed_nodes(program, launch)
+    nodes = program.computed_nodes(launch)
     inside = {id(n) for n in nodes}
     users: dict[int, list[Node]] = {}
     for n in nodes:

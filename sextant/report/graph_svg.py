@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sextant.graph.ir import Node
-from sextant.report.cost import computed_nodes, split_args
+from sextant.report.cost import split_args
 from sextant.report.roofline import Estimate
 from sextant.report.sources import source_line
 from sextant.schedule.program import Program
@@ -52,7 +52,7 @@ def _node_w(n: Node) -> float:
 def _box(program: Program, li: int, est: Estimate | None) -> _Box:
     launch = program.launches[li]
     group = program.groups[launch.group]
-    nodes = computed_nodes(program, launch)
+    nodes = program.computed_nodes(launch)
     inside = {id(n) for n in nodes}
     drawn = [n for n in nodes if n.op not in HIDDEN_OPS] or list(group.outputs)
     shown = {id(n) for n in drawn}

@@ -20,7 +20,7 @@ from sextant.graph.ir import Node
 from sextant.graph.printer import print_graph
 from sextant.kernel.printer import print_kernel
 from sextant.report.charts import roofline_svg, seconds, si, time_bars
-from sextant.report.cost import LaunchCost, computed_nodes, program_costs
+from sextant.report.cost import LaunchCost, program_costs
 from sextant.report.graph_svg import HIDDEN_OPS, KIND_COLORS, graph_svg, op_label
 from sextant.report.listings import llvm_functions, sass_functions
 from sextant.report.roofline import GPUS, Estimate, GpuSpec, estimate, gpu_spec, kernel_totals, time_by_bound
@@ -176,7 +176,7 @@ class _Report:
     def sources(self) -> str:
         seen: dict[str, list[tuple[int, list[Node]]]] = {}
         for li, launch in enumerate(self.program.launches):
-            for loc, nodes in self._locs(computed_nodes(self.program, launch)).items():
+            for loc, nodes in self._locs(self.program.computed_nodes(launch)).items():
                 seen.setdefault(loc, []).append((li, nodes))
         rows = []
         for loc, uses in seen.items():
@@ -242,7 +242,7 @@ class _Report:
                         f"{e.ridge:.1f}", seconds(e.compute_s), seconds(e.memory_s), seconds(e.overhead_s),
                         f"<b>{seconds(e.time_s)}</b>", esc(e.bound))], num=tuple(range(9)))
         src_rows = []
-        for loc, nodes in self._locs(computed_nodes(p, launch)).items():
+        for loc, nodes in self._locs(p.computed_nodes(launch)).items():
             src = source_line(loc)
             src_rows.append((f'<span class="mono">{esc(loc)}</span>', f"<code>{esc(src.code)}</code>",
                              f'<span class="mono">{esc(" ".join(op_label(n) for n in nodes))}</span>'))
