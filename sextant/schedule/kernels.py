@@ -21,14 +21,14 @@ from sextant.kernel.ir import (
     Const,
     Expr,
     For,
-    If,
     Kernel,
-    Load,
     Select,
     Special,
     Store,
     Var,
 )
+from sextant.schedule.cpu_conv import conv_gemm_kernel
+from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -37,9 +37,7 @@ from sextant.schedule.indexing import (
     combine_op,
     delinearize,
     iadd,
-    idiv,
     imin,
-    imod,
     imul,
     linearize,
     reduce_identity,
@@ -67,7 +65,7 @@ def external_buffers(group: Group, stored: set[int]) -> list[Node]:
         seen.add(id(n))
         if id(n) in members:
             for i in n.inputs:
-                visit(i)
+                visit(group.packed.get(id(i), i))
         elif is_buffer(n) or id(n) in stored or not inlinable(n):
             found.append(n)
         else:
@@ -265,124 +263,30 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     to share each copy. For other strides packing measured 5–10% slower, so it is not done.
     Not done either: K-blocking (the strip of k × ``nr`` floats streams from L2 fast enough for
     an 8×32 tile: ~16 B/cycle), packing A (8 broadcast streams, each sequential in k).
-    Tiles cut by the matrix edge take a plain per-element path. The epilogue runs per element."""
+    Rows past M are computed on a clamped row and not stored; columns cut by the matrix edge take a
+    plain per-element path. The epilogue runs per element. The loops are ``cpu_gemm.gemm_kernel``,
+    shared with the convolution's implicit GEMM."""
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape
     n = b.shape[-1]
-    nb = math.prod(batch)
     e, params, _ = setup_kernel(group, stored)
     acc_t = accum_dtype(mm.dtype)
-    zero = Const(0.0 if acc_t.is_float else 0, acc_t)
     mr, nr = micro_tile(target)
     pack = n * b.dtype.itemsize % PACK_ALIAS_BYTES == 0
-    bm_ = _whole_tiles(MATMUL_BLOCK_M_PACKED if pack else MATMUL_BLOCK_M, mr)
-    bn_ = _whole_tiles(MATMUL_BLOCK_N, nr)
-    blocks_m, blocks_n = math.ceil(m / bm_), math.ceil(n / bn_)
-    per_batch = blocks_m * blocks_n
-    acc = Buffer("acc", acc_t, mr * nr, "local")
-    tile = Buffer("tile", acc_t, mr * nr, "local")
-    packed = Buffer("bpack", acc_t, max(1, k * bn_), "local")
 
-    def as_acc(v: Expr) -> Expr:
-        return v if v.dtype == acc_t else Cast(v, acc_t)
+    def rows(bidx: Index, i0: Expr, count: int) -> list[Callable[[Expr], Expr]]:
+        return [lambda kk, r=r: e.value(a, (*bidx, iadd(i0, c(r)), kk)) for r in range(count)]
 
     def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
         e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
         store_epilogue(e, group, (*bidx, i, j))
         e.regs.pop(id(mm))
 
-    def fast(bidx: Index, i0: Expr, j0: Expr, base: Expr, packing: bool) -> None:
-        _loop(e, mr * nr, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
-
-        def kstep(kk: Var) -> None:
-            avals = [e.bind(as_acc(e.value(a, (*bidx, iadd(i0, c(r)), kk))), "a") for r in range(mr)]
-            row = e.bind(iadd(base, imul(kk, nr)), "pk")
-
-            def col(j: Var) -> None:
-                if not pack:
-                    bv = e.bind(as_acc(e.value(b, (*bidx, kk, iadd(j0, j)))), "b")
-                elif packing:
-                    bv = e.bind(as_acc(e.value(b, (*bidx, kk, iadd(j0, j)))), "b")
-                    e.emit(Store("bpack", iadd(row, j), bv))
-                else:
-                    bv = e.bind(Load("bpack", iadd(row, j), acc_t), "b")
-                for r in range(mr):
-                    slot = iadd(c(r * nr), j)
-                    e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
-                                                     Binary("mul", avals[r], bv, acc_t), acc_t)))
-
-            _loop(e, nr, col, "j", unroll=True)
-
-        _loop(e, k, kstep, "k")
-        _loop(e, mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
-
-        def out_row(r: Var) -> None:
-            _loop(e, nr, lambda j: epilogue(bidx, iadd(i0, r), iadd(j0, j),
-                                            Load("tile", iadd(imul(r, nr), j), acc_t)), "j")
-
-        _loop(e, mr, out_row, "r")
-
-    def edge(bidx: Index, i0: Expr, j0: Expr) -> None:
-        def row(i: Var) -> None:
-            def col(j: Var) -> None:
-                s = e.var("s", acc_t)
-                e.emit(Assign(s, zero))
-
-                def kstep(kk: Var) -> None:
-                    av = as_acc(e.value(a, (*bidx, i, kk)))
-                    bv = as_acc(e.value(b, (*bidx, kk, j)))
-                    e.emit(Assign(s, Binary("add", s, Binary("mul", av, bv, acc_t), acc_t)))
-
-                _loop(e, k, kstep, "k")
-                epilogue(bidx, i, j, s)
-
-            _loop(e, n, col, "j", start=j0, stop=imin(iadd(j0, c(nr)), c(n)))
-
-        _loop(e, m, row, "i", start=i0, stop=imin(iadd(i0, c(mr)), c(m)))
-
-    def block(t: Expr) -> None:
-        bidx = delinearize(e.bind(idiv(t, per_batch), "bb"), batch) if batch else ()
-        rem = e.bind(imod(t, per_batch), "t") if batch else t
-        bm = e.bind(idiv(rem, blocks_n), "bm")
-        bn = e.bind(imod(rem, blocks_n), "bn")
-        jstart = e.bind(imul(bn, bn_), "js")
-        istart = e.bind(imul(bm, bm_), "is")
-
-        def panel(s: Var) -> None:
-            j0 = e.bind(iadd(jstart, imul(s, nr)), "j0")
-            base = e.bind(imul(s, k * nr), "sb")
-
-            def micro(i0: Var) -> None:
-                full = Binary("bitwise_and", Binary("le", iadd(i0, c(mr)), c(m), DType.bool),
-                              Binary("le", iadd(j0, c(nr)), c(n), DType.bool), DType.bool)
-                with e.scope() as then:
-                    if pack:  # the block's first row tile of a strip packs it, the others read the copy
-                        with e.scope() as first:
-                            fast(bidx, i0, j0, base, packing=True)
-                        with e.scope() as rest:
-                            fast(bidx, i0, j0, base, packing=False)
-                        e.emit(If(Binary("eq", i0, istart, DType.bool), tuple(first), tuple(rest)))
-                    else:
-                        fast(bidx, i0, j0, base, packing=False)
-                with e.scope() as orelse:
-                    edge(bidx, i0, j0)
-                e.emit(If(full, tuple(then), tuple(orelse)))
-
-            iv = e.var("i0")
-            with e.scope() as stmts:
-                micro(iv)
-            e.emit(For(iv, istart, imin(iadd(istart, c(bm_)), c(m)), mr, tuple(stmts)))
-
-        if n % bn_ == 0:
-            _loop(e, bn_ // nr, panel, "s")
-        else:  # the last column block holds fewer strips (a partial one takes the edge path)
-            _loop(e, 0, panel, "s", stop=imin(c(bn_ // nr), idiv(iadd(c(n + nr - 1), imul(jstart, -1)), nr)))
-
-    if mm.type.numel:
-        block(BID)
-    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts),
-                  local=(acc, tile, packed) if pack else (acc, tile))
+    spec = Gemm(tuple(batch), m, n, k, acc_t, rows, lambda bidx, kk, j0, j, _: e.value(b, (*bidx, kk, iadd(j0, j))),
+                epilogue,
+                mr, nr, MATMUL_BLOCK_M_PACKED if pack else MATMUL_BLOCK_M, MATMUL_BLOCK_N, pack)
+    return gemm_kernel(e, spec, name, params, BID)
 
 
 # -- convolution ----------------------------------------------------------------------------------
@@ -458,9 +362,16 @@ def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts))
 
 
+def cpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """An implicit GEMM (``cpu_conv``) when the scheduler laid out the weights for it, else direct."""
+    if id(group.anchor.inputs[1]) in group.packed:
+        return conv_gemm_kernel(group, stored, target, name)
+    return conv_kernel(group, stored, target, name)
+
+
 MAPPINGS = {
     "elementwise": elementwise_kernel,
     "reduce": reduce_kernel,
     "matmul": matmul_kernel,
-    "conv": conv_kernel,
+    "conv": cpu_conv_kernel,
 }

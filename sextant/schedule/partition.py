@@ -31,6 +31,9 @@ class Group:
     members: list[Node] = field(default_factory=list)  # computed in this kernel, topological order
     outputs: list[Node] = field(default_factory=list)  # members stored to memory
     notes: list[str] = field(default_factory=list)  # why fusions were refused
+    # operands the kernel reads in a layout made at compile time (id of the operand -> the node
+    # computing that layout from the weights), e.g. a CPU convolution's [G, K, Cout] weights
+    packed: dict[int, Node] = field(default_factory=dict)
 
     @property
     def domain(self) -> tuple:
@@ -89,7 +92,10 @@ def _effective_users(n: Node, users: dict[Node, list[Node]], group_of: dict[int,
     return out
 
 
-def partition(graph: Graph) -> list[Group]:
+def partition(graph: Graph, *, store_conv_pads: bool = False) -> list[Group]:
+    """``store_conv_pads``: a convolution's ``pad`` operand is stored rather than inlined (the CPU's
+    implicit GEMM reads each input element Cout·kernel times, so it wants its padding copied once;
+    the GPU's stages its tiles through shared memory and pads there)."""
     users = graph.users()
     outputs = {id(o) for o in graph.outputs}
     stored: set[int] = set()  # nodes that get a buffer written by some kernel
@@ -107,6 +113,9 @@ def partition(graph: Graph) -> list[Group]:
     for n in graph.nodes:
         if n.op in ("matmul", "conv"):
             for operand in n.inputs:
+                if store_conv_pads and n.op == "conv" and operand.op == "pad":
+                    stored.add(id(operand))
+                    continue
                 while operand.op in MOVEMENT and operand.op != "gather":  # re-indexing is free: store below it
                     operand = operand.inputs[0]
                 if not is_buffer(operand) and inlinable(operand) and _tree_cost(operand, stored) > PROLOGUE_OPS_LIMIT:

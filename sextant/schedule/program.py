@@ -18,6 +18,7 @@ from sextant.graph.reference import eval_node
 from sextant.kernel import simplify_kernel, verify_kernel
 from sextant.kernel.ir import Kernel
 from sextant.schedule import memory
+from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, external_buffers
 from sextant.schedule.partition import Group, partition
@@ -121,8 +122,13 @@ def finish_kernel(k: Kernel, target: TargetDesc) -> Kernel:
 
 
 def schedule(graph: Graph, target: TargetDesc) -> Program:
-    groups = partition(graph)
+    if not target.is_gpu:
+        graph = explicit_padding(graph)
+    groups = partition(graph, store_conv_pads=not target.is_gpu)
     packed = prepack_weights(graph, groups)
+    if not target.is_gpu:
+        graph, conv_weights = layout_conv_weights(graph, groups, target)
+        packed += conv_weights
     stored = {id(o) for g in groups for o in g.outputs} | {id(b) for b in packed}
     constants: dict[int, torch.Tensor] = {}
     buffers: list[BufferInfo] = []

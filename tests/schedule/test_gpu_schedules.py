@@ -58,11 +58,13 @@ def _kinds(program: Program) -> list[str]:
 
 
 def _check_structure(program: Program) -> None:
-    """Fusion is target-independent; every launch has multi-thread blocks; reductions
+    """Fusion of the anchors (reductions, matmuls, convolutions) is target-independent (the CPU
+    stores a convolution's zero-padded input, which may take over an elementwise kernel's store;
+    the GPU pads in shared memory); every launch has multi-thread blocks; reductions
     cooperate through warp shuffles (and shared memory + barriers for long rows); matmuls
     stage tiles in shared memory between barriers; every kernel passes the verifier."""
     cpu = schedule(program.graph, cpu_target())
-    assert _kinds(program) == _kinds(cpu)
+    assert [k for k in _kinds(program) if k != "elementwise"] == [k for k in _kinds(cpu) if k != "elementwise"]
     for launch in program.launches:
         k = program.kernels[launch.kernel]
         if verify_kernel is not None:

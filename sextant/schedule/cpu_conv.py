@@ -1,0 +1,226 @@
+"""Convolution on the CPU as an implicit GEMM through the matmul's register micro-kernel.
+
+Per group ``g`` a convolution is ``C[i, j] = Σ_q A[i, q] · B[q, j]`` with
+
+- rows ``i`` = (batch, output position): all of them, so a batch-1 layer with 2×2 outputs still
+  fills micro-tiles across its positions;
+- columns ``j`` = output channels of the group: the vector dimension, because B is the weight,
+  laid out ``[G, K, Cout_g]`` (padded with zeros to whole vectors) once at compile time, so each
+  k step loads ``nr`` contiguous weights;
+- ``q`` = (input channel, kernel offsets), the order of the weight's own dims; A is the input's
+  im2col, never materialised: each micro-tile computes its rows' output positions once, and per
+  k step reads ``mr`` input values through that offset (a bounds check selects zero for padding).
+
+Why this orientation rather than output channels as rows and positions as the vector: positions
+are contiguous in memory only within an output row and only at stride 1 — the vector loads would
+become gathers — while the weight can be laid out at will. The cost is ``mr`` scalar loads (each
+broadcast into a vector) per k step, the same as the matmul's A.
+
+Depthwise and other convolutions with few output channels per group (< ``MIN_GROUP_COLUMNS``)
+keep the direct mapping (``kernels.conv_kernel``): padded to a vector, most lanes would be zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Graph, Node, make_node
+from sextant.graph.passes.rewrite import rebuild
+from sextant.kernel.ir import Binary, Cast, Const, Expr, Kernel, Load, Select
+from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
+from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul, strides
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+MIN_GROUP_COLUMNS = 4  # output channels per group below which the direct mapping is kept
+CONV_BLOCK_M, CONV_BLOCK_N = 128, 64  # C tile per block, as for matmul
+
+
+def _constant(n: Node) -> bool:
+    """Whether ``n`` depends on weights only (so its layout can be changed at compile time)."""
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.op == "input":
+            return False
+        stack.extend(x.inputs)
+    return True
+
+
+def conv_columns(cv: Node, target: TargetDesc) -> int:
+    """The GEMM's column tile: one vector of f32 lanes for narrow groups, else two."""
+    lanes = max(1, target.vector_bytes // 4)
+    cout_g = cv.inputs[1].shape[0] // cv.attr("groups")
+    return lanes if cout_g <= lanes else 2 * lanes
+
+
+def uses_gemm(cv: Node) -> bool:
+    w = cv.inputs[1]
+    return w.shape[0] // cv.attr("groups") >= MIN_GROUP_COLUMNS and _constant(w)
+
+
+def gemm_weight(cv: Node, target: TargetDesc) -> Node:
+    """The weight as ``[G, strips, K, nr]``: output channels padded with zeros to whole strips of ``nr``
+    columns, each strip contiguous, so a micro-tile streams its weights sequentially (a ``[K, Cout]``
+    layout read ``nr`` columns at a time strides by rows: latency-bound for a batch-1 layer, where
+    the weights are read once). Evaluated at compile time."""
+    w = cv.inputs[1]
+    groups = cv.attr("groups")
+    cout_g, k = w.shape[0] // groups, math.prod(w.shape[1:])
+    nr = conv_columns(cv, target)
+    b = GraphBuilder()
+    b.loc = w.loc
+    t = b.pad(b.permute(b.reshape(w, (groups, cout_g, k)), (0, 2, 1)), (0, 0, 0), (0, 0, -cout_g % nr))
+    strips = t.shape[-1] // nr
+    return b.permute(b.reshape(t, (groups, k, strips, nr)), (0, 2, 1, 3))
+
+
+def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    from sextant.schedule.kernels import BID, micro_tile, setup_kernel, store_epilogue
+
+    cv = group.anchor
+    x, w = cv.inputs
+    wt = group.packed[id(w)]
+    stride, padding, dilation, groups = (cv.attr(a) for a in ("stride", "padding", "dilation", "groups"))
+    nsp = len(cv.shape) - 2
+    batch, out_sp, in_sp = cv.shape[0], cv.shape[2:], x.shape[2:]
+    cin_g, ksp = w.shape[1], w.shape[2:]
+    cout_g = w.shape[0] // groups
+    m, k = batch * math.prod(out_sp), cin_g * math.prod(ksp)
+    npad = wt.shape[1] * wt.shape[3]
+    e, params, _ = setup_kernel(group, stored)
+    acc_t = accum_dtype(cv.dtype)
+    mr, _ = micro_tile(target)
+    nr = conv_columns(cv, target)
+    taps: dict[str, tuple[Expr, ...]] = {}  # per k variable: (input channel, kernel offsets), bound once
+
+    def tap(kk: Expr) -> tuple[Expr, ...]:
+        key = repr(kk)
+        if key not in taps:
+            taps[key] = tuple(e.bind(v, "q") for v in delinearize(kk, (cin_g, *ksp)))
+        return taps[key]
+
+    in_strides = strides(in_sp)
+    plane = math.prod(in_sp)
+
+    def offset(bidx: Index, kk: Expr) -> Expr:
+        """Where tap ``kk`` reads relative to a row's first input element (the same for every row)."""
+        key = "off" + repr(kk) + repr(bidx)
+        if key not in taps:
+            ci, *kd = tap(kk)
+            off = imul(iadd(imul(bidx[0], cin_g), ci) if groups > 1 else ci, plane)
+            for d in range(nsp):
+                off = iadd(off, imul(kd[d], dilation[d] * in_strides[d]))
+            taps[key] = (e.bind(off, "off"),)
+        return taps[key][0]
+
+    def direct_rows(bidx: Index, i0: Expr, count: int) -> list[Callable[[Expr], Expr]]:
+        """A stored, unpadded input: each read is one add from the row's base offset."""
+        name = e.buffers[id(x)]
+        readers = []
+        for r in range(count):
+            nn, *o = delinearize(e.bind(iadd(i0, c(r)), "row"), (batch, *out_sp))
+            base = imul(nn, x.shape[1] * plane)
+            for d in range(nsp):
+                base = iadd(base, imul(o[d], stride[d] * in_strides[d]))
+            base = e.bind(base, "base")
+
+            def read(kk: Expr, base: Expr = base) -> Expr:
+                v = Load(name, iadd(base, offset(bidx, kk)), x.dtype)
+                return v if v.dtype == acc_t else Cast(v, acc_t)
+
+            readers.append(read)
+        return readers
+
+    def rows(bidx: Index, i0: Expr, count: int) -> list[Callable[[Expr], Expr]]:
+        if id(x) in e.buffers and not any(padding):
+            return direct_rows(bidx, i0, count)
+        gch = imul(bidx[0], cin_g) if groups > 1 else c(0)
+        readers = []
+        for r in range(count):
+            nn, *o = delinearize(e.bind(iadd(i0, c(r)), "row"), (batch, *out_sp))
+            nn = e.bind(nn, "n")
+            base = [e.bind(iadd(imul(o[d], stride[d]), c(-padding[d])), "p") for d in range(nsp)]
+
+            def read(kk: Expr, nn: Expr = nn, base: list[Expr] = base) -> Expr:
+                ci, *kd = tap(kk)
+                inb: Expr | None = None
+                pos = []
+                for d in range(nsp):
+                    p = e.bind(iadd(base[d], imul(kd[d], dilation[d])), "p")
+                    if padding[d]:
+                        ok = e.bind(Binary("bitwise_and", Binary("ge", p, c(0), DType.bool),
+                                           Binary("lt", p, c(in_sp[d]), DType.bool), DType.bool), "inb")
+                        p = e.bind(Select(ok, p, c(0), p.dtype), "p")
+                        inb = ok if inb is None else e.bind(Binary("bitwise_and", inb, ok, DType.bool), "inb")
+                    pos.append(p)
+                v = e.value(x, (nn, iadd(gch, ci), *pos))
+                v = v if v.dtype == acc_t else Cast(v, acc_t)
+                return v if inb is None else Select(inb, v, Const(0.0, acc_t), acc_t)
+
+            readers.append(read)
+        return readers
+
+    def col(bidx: Index, kk: Expr, j0: Expr, j: Expr, strip: Expr | None) -> Expr:
+        assert strip is not None, "the padded weight has whole strips: no edge path"
+        return e.value(wt, ((bidx[0] if groups > 1 else c(0)), strip, kk, j))
+
+    def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
+        nn, *o = delinearize(i, (batch, *out_sp))
+        co = iadd(imul(bidx[0], cout_g), j) if groups > 1 else j
+        e.regs[id(cv)] = e.bind(value if acc_t == cv.dtype else Cast(value, cv.dtype), "c")
+        store_epilogue(e, group, (nn, co, *o))
+        e.regs.pop(id(cv))
+
+    spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
+                CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g)
+    return gemm_kernel(e, spec, name, params, BID)
+
+
+def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
+    """Give every implicit-GEMM convolution its ``[G, K, Cout_g]`` weight (``Group.packed``).
+
+    The layout nodes are appended to the graph (after everything they read) so the program's
+    graph names every buffer it holds: the artifact format and the dumps refer to buffers by node."""
+    extra: list[Node] = []
+    packed: list[Node] = []
+    for g in groups:
+        if g.kind != "conv" or not uses_gemm(g.anchor):
+            continue
+        w = g.anchor.inputs[1]
+        p = gemm_weight(g.anchor, target)
+        stack, chain = [p], []
+        while stack and stack[-1] is not w:  # the new nodes between w and p, in definition order
+            chain.append(stack[-1])
+            stack = [stack[-1].inputs[0]]
+        extra += reversed(chain)
+        g.packed[id(w)] = p
+        packed.append(p)
+    if not extra:
+        return graph, []
+    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed
+
+
+def explicit_padding(graph: Graph) -> Graph:
+    """``conv(x, padding=p)`` → ``conv(pad(x, p), padding=0)`` for the implicit-GEMM convolutions.
+
+    The padded input is stored once (``partition`` stores a convolution's ``pad`` operand), so the
+    micro-kernel's reads need no bounds check: each costs one add from its row's base offset.
+    The copy is cheap beside the convolution: every element is read ``Cout · kernel size`` times."""
+
+    def fn(n: Node) -> Node | None:
+        if n.op != "conv" or not any(n.attr("padding")) or not uses_gemm(n):
+            return None
+        pads = n.attr("padding")
+        b = GraphBuilder()
+        b.loc = n.loc
+        xp = b.pad(n.inputs[0], (0, 0, *pads), (0, 0, *pads))
+        return make_node("conv", (xp, n.inputs[1]), {**n.attr_dict, "padding": (0,) * len(pads)}, n.loc)
+
+    return rebuild(graph, fn)

@@ -1,0 +1,189 @@
+"""The CPU's register-tiled GEMM, shared by matmul and convolution (as an implicit GEMM).
+
+``C[b, i, j] = Σ_k A(b, i, k) · B(b, k, j)`` with a per-element epilogue. What A and B *are*
+is the caller's: a matmul reads two row-major operands, a convolution reads A as the im2col
+of its input (gathered through index arithmetic, zero padding as a select) and B as its
+weights laid out ``[K, Cout]`` at compile time. The tiling (argued in ``matmul_kernel``'s
+docstring in ``kernels.py``): a block owns a ``block_m`` × ``block_n`` tile of C and walks it
+strip by strip of ``nr`` columns, each strip in ``mr`` × ``nr`` register micro-tiles.
+
+Rows past ``m`` in the last micro-tile are computed on a clamped row (a valid address) and not
+stored, so a short M (a batch-1 conv's 2×2 positions, attention's per-head products) still runs
+the vector micro-kernel; only columns past ``n`` take the scalar edge path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sextant.graph.dtypes import DType
+from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Store, Var
+from sextant.schedule.indexing import Index, ValueEmitter, c, delinearize, iadd, idiv, imin, imod, imul
+
+RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM as the micro-kernel sees it."""
+
+    batch: tuple[int, ...]  # grid dims outside the GEMM (matmul batch, conv groups)
+    m: int
+    n: int  # columns computed (may be padded past n_store)
+    k: int
+    acc_t: DType
+    # rows(bidx, first_row, count) -> one reader per row: called before the k loop, so per-row
+    # index arithmetic (a conv's output position) is computed once per micro-tile
+    rows: Callable[[Index, Expr, int], list[RowReader]]
+    # (bidx, k, j0, j, strip) -> B's value at column j0 + j, where j0 starts a strip of nr columns,
+    # strip = j0 // nr (None on the scalar edge path, where j0 is any column and j is 0)
+    col: Callable[[Index, Expr, Expr, Expr, Expr | None], Expr]
+    epilogue: Callable[[Index, Expr, Expr, Expr], None]  # (bidx, i, j, accumulator) -> stores
+    mr: int
+    nr: int
+    block_m: int
+    block_n: int
+    pack: bool = False  # copy each strip of B into a local buffer on its first row tile
+    n_store: int | None = None  # columns that exist (default n)
+
+
+def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: Expr) -> Kernel:
+    acc_t, mr, nr, m, n, k = g.acc_t, g.mr, g.nr, g.m, g.n, g.k
+    n_store = n if g.n_store is None else g.n_store
+    zero = Const(0.0 if acc_t.is_float else 0, acc_t)
+    bm_ = max(mr, g.block_m // mr * mr)
+    bn_ = max(nr, g.block_n // nr * nr)
+    blocks_m, blocks_n = math.ceil(m / bm_), math.ceil(n / bn_)
+    per_batch = blocks_m * blocks_n
+    nb = math.prod(g.batch)
+    acc = Buffer("acc", acc_t, mr * nr, "local")
+    tile = Buffer("tile", acc_t, mr * nr, "local")
+    packed = Buffer("bpack", acc_t, max(1, k * bn_), "local")
+
+    def as_acc(v: Expr) -> Expr:
+        return v if v.dtype == acc_t else Cast(v, acc_t)
+
+    def loop(count: int, body: Callable[[Var], None], prefix: str, *, start: Expr | None = None,
+             stop: Expr | None = None, unroll: bool = False, step: int = 1) -> None:
+        v = e.var(prefix)
+        with e.scope() as stmts:
+            body(v)
+        e.emit(For(v, start if start is not None else c(0), stop if stop is not None else c(count), step,
+                   tuple(stmts), unroll))
+
+    def guarded(cond: Expr | None, body: Callable[[], None]) -> None:
+        if cond is None:
+            body()
+            return
+        with e.scope() as then:
+            body()
+        e.emit(If(cond, tuple(then)))
+
+    def fast(bidx: Index, i0: Expr, j0: Expr, strip: Expr, base: Expr, packing: bool) -> None:
+        loop(mr * nr, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+        first = [iadd(i0, c(r)) if m % mr == 0 or r == 0 else imin(iadd(i0, c(r)), c(m - 1)) for r in range(mr)]
+        readers = g.rows(bidx, i0, mr) if m % mr == 0 else _clamped_rows(g, bidx, first)
+
+        def kstep(kk: Var) -> None:
+            avals = [e.bind(as_acc(read(kk)), "a") for read in readers]
+            row = e.bind(iadd(base, imul(kk, nr)), "pk")
+
+            def col(j: Var) -> None:
+                if g.pack and not packing:
+                    bv = e.bind(Load("bpack", iadd(row, j), acc_t), "b")
+                else:
+                    bv = e.bind(as_acc(g.col(bidx, kk, j0, j, strip)), "b")
+                    if g.pack:
+                        e.emit(Store("bpack", iadd(row, j), bv))
+                for r in range(mr):
+                    slot = iadd(c(r * nr), j)
+                    e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
+                                                     Binary("mul", avals[r], bv, acc_t), acc_t)))
+
+            loop(nr, col, "j", unroll=True)
+
+        loop(k, kstep, "k")
+        loop(mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
+
+        def out_row(r: Var) -> None:
+            i = iadd(i0, r)
+
+            def out_col(j: Var) -> None:
+                jj = iadd(j0, j)
+                guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
+                        lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
+
+            guarded(Binary("lt", i, c(m), DType.bool) if m % mr else None, lambda: loop(nr, out_col, "j"))
+
+        loop(mr, out_row, "r")
+
+    def edge(bidx: Index, i0: Expr, j0: Expr) -> None:
+        def row(i: Var) -> None:
+            (read,) = g.rows(bidx, i, 1)
+
+            def col(j: Var) -> None:
+                s = e.var("s", acc_t)
+                e.emit(Assign(s, zero))
+
+                def kstep(kk: Var) -> None:
+                    bv = as_acc(g.col(bidx, kk, j, c(0), None))
+                    e.emit(Assign(s, Binary("add", s, Binary("mul", as_acc(read(kk)), bv, acc_t), acc_t)))
+
+                loop(k, kstep, "k")
+                g.epilogue(bidx, i, j, s)
+
+            loop(n, col, "j", start=j0, stop=imin(iadd(j0, c(nr)), c(n_store)))
+
+        loop(m, row, "i", start=i0, stop=imin(iadd(i0, c(mr)), c(m)))
+
+    def block(t: Expr) -> None:
+        bidx = delinearize(e.bind(idiv(t, per_batch), "bb"), g.batch) if g.batch else ()
+        rem = e.bind(imod(t, per_batch), "t") if g.batch else t
+        bm = e.bind(idiv(rem, blocks_n), "bm")
+        bn = e.bind(imod(rem, blocks_n), "bn")
+        jstart = e.bind(imul(bn, bn_), "js")
+        istart = e.bind(imul(bm, bm_), "is")
+
+        def panel(s: Var) -> None:
+            j0 = e.bind(iadd(jstart, imul(s, nr)), "j0")
+            strip = e.bind(iadd(imul(bn, bn_ // nr), s), "strip")
+            base = e.bind(imul(s, k * nr), "sb")
+
+            def micro(i0: Var) -> None:
+                def then() -> None:
+                    if g.pack:  # the block's first row tile of a strip packs it, the others read the copy
+                        with e.scope() as first:
+                            fast(bidx, i0, j0, strip, base, packing=True)
+                        with e.scope() as rest:
+                            fast(bidx, i0, j0, strip, base, packing=False)
+                        e.emit(If(Binary("eq", i0, istart, DType.bool), tuple(first), tuple(rest)))
+                    else:
+                        fast(bidx, i0, j0, strip, base, packing=False)
+
+                if n % nr == 0:
+                    then()
+                    return
+                with e.scope() as fast_path:
+                    then()
+                with e.scope() as orelse:
+                    edge(bidx, i0, j0)
+                e.emit(If(Binary("le", iadd(j0, c(nr)), c(n), DType.bool), tuple(fast_path), tuple(orelse)))
+
+            loop(0, micro, "i0", start=istart, stop=imin(iadd(istart, c(bm_)), c(m)), step=mr)
+
+        if n % bn_ == 0:
+            loop(bn_ // nr, panel, "s")
+        else:  # the last column block holds fewer strips (a partial one takes the edge path)
+            loop(0, panel, "s", stop=imin(c(bn_ // nr), idiv(iadd(c(n + nr - 1), imul(jstart, -1)), nr)))
+
+    if m and n and nb:
+        block(bid)
+    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts),
+                  local=(acc, tile, packed) if g.pack else (acc, tile))
+
+
+def _clamped_rows(g: Gemm, bidx: Index, rows: list[Expr]) -> list[RowReader]:
+    return [g.rows(bidx, r, 1)[0] for r in rows]
+

@@ -1,0 +1,109 @@
+"""The CPU convolution as an implicit GEMM (``cpu_conv``): every shape feature against eager,
+with both register tilings (AVX2 and AVX-512) whatever the host, and the mapping choice itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sextant
+from sextant.codegen.llvm_cpu import compile_kernels
+from sextant.graph.passes import run_pipeline
+from sextant.runtime.program_runner import ProgramRunner
+from sextant.schedule.program import schedule
+from sextant.schedule.target import cpu_target
+
+CASES = {  # name: (conv, input shape)
+    "3x3-pad1": (lambda: nn.Conv2d(16, 32, 3, padding=1), (2, 16, 12, 12)),
+    "ragged-rows-and-channels": (lambda: nn.Conv2d(8, 20, 3, stride=2, padding=1), (2, 8, 9, 7)),
+    "stem-7x7-stride2": (lambda: nn.Conv2d(3, 64, 7, stride=2, padding=3), (1, 3, 32, 32)),
+    "batch1-2x2-positions": (lambda: nn.Conv2d(64, 64, 1), (1, 64, 2, 2)),  # fewer rows than a micro-tile
+    "3x3-on-2x2": (lambda: nn.Conv2d(32, 48, 3, padding=1), (1, 32, 2, 2)),
+    "grouped": (lambda: nn.Conv2d(32, 32, 3, padding=1, groups=4), (2, 32, 8, 8)),
+    "dilated-3-out": (lambda: nn.Conv2d(8, 4, 3, padding=2, dilation=2), (2, 8, 5, 5)),
+    "per-dim-params-groups3": (lambda: nn.Conv2d(12, 24, (3, 5), stride=(1, 2), padding=(2, 1), dilation=(1, 2),
+                                                 groups=3), (2, 12, 8, 13)),
+    "conv1d-audio-front-end": (lambda: nn.Conv1d(1, 32, 10, stride=5), (2, 1, 403)),
+    "conv1d-grouped-positional": (lambda: nn.Conv1d(32, 32, 16, padding=8, groups=4), (2, 32, 20)),
+    "conv3d": (lambda: nn.Conv3d(3, 8, 3, padding=1), (1, 3, 5, 6, 4)),
+    "transposed": (lambda: nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1), (2, 8, 5, 6)),
+    "depthwise-direct": (lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16), (2, 16, 8, 8)),
+}
+
+
+class ConvReLU(nn.Module):
+    def __init__(self, conv: nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+def _run(model: nn.Module, x: torch.Tensor, vector_bytes: int):
+    model = model.eval()
+    graph = run_pipeline(sextant.capture(model, (x,)))
+    program = schedule(graph, cpu_target(cores=2, vector_bytes=vector_bytes))
+    runner = ProgramRunner(program, compile_kernels(list(program.kernels.values())).launch)
+    fresh = torch.randn_like(x)
+    (got,) = runner([fresh])
+    with torch.no_grad():
+        want = model(fresh)
+    return program, got, want
+
+
+@pytest.mark.parametrize("vector_bytes", [32, 64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv_matches_eager(case: str, vector_bytes: int) -> None:
+    make, shape = CASES[case]
+    torch.manual_seed(3)
+    program, got, want = _run(ConvReLU(make()), torch.randn(shape), vector_bytes)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    convs = [program.kernels[launch.kernel] for launch in program.launches
+             if program.groups[launch.group].kind == "conv"]
+    gemm = [any(b.name == "acc" for b in k.local) for k in convs]
+    assert gemm == [case != "depthwise-direct"], "implicit GEMM unless < 4 output channels per group"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_conv_accumulates_in_f32(dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    model = ConvReLU(nn.Conv2d(16, 24, 3, padding=1)).to(dtype).eval()
+    x = torch.randn(2, 16, 9, 9, dtype=dtype)
+    graph = run_pipeline(sextant.capture(model, (x,)))
+    program = schedule(graph, cpu_target(cores=2, vector_bytes=64))
+    runner = ProgramRunner(program, compile_kernels(list(program.kernels.values())).launch)
+    (got,) = runner([x])
+    ref = ConvReLU(nn.Conv2d(16, 24, 3, padding=1)).eval()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        want = ref(x.float())  # f32 math on the same rounded operands
+    assert got.dtype == dtype
+    tol = 2e-3 if dtype == torch.float16 else 1.6e-2  # about two ulps at the output's scale (~1)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_padding_is_copied_once_and_weights_laid_out_in_strips() -> None:
+    program, got, want = _run(nn.Conv2d(16, 40, 3, padding=1), torch.randn(1, 16, 6, 6), 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    kinds = [(program.groups[launch.group].kind, program.groups[launch.group].anchor.op)
+             for launch in program.launches]
+    assert kinds == [("elementwise", "pad"), ("conv", "conv")]
+    (conv_group,) = [g for g in program.groups if g.kind == "conv"]
+    (layout,) = conv_group.packed.values()
+    assert layout.shape == (1, 2, 16 * 9, 32)  # 40 output channels → two strips of 32, zero-padded
+    assert any(n is layout for n in program.graph.nodes)  # the program's graph names the buffer
+
+
+def test_weights_computed_from_an_input_use_the_direct_mapping() -> None:
+    class DynamicWeight(nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.conv2d(x, w * 2, padding=1)
+
+    x, w = torch.randn(1, 8, 6, 6), torch.randn(16, 8, 3, 3)
+    compiled = sextant.compile(DynamicWeight(), (x, w), target="cpu")
+    x2, w2 = torch.randn_like(x), torch.randn_like(w)
+    torch.testing.assert_close(compiled(x2, w2), DynamicWeight()(x2, w2), atol=1e-5, rtol=1e-4)
+    program = compiled.stages["program"]
+    assert all(not g.packed for g in program.groups)
