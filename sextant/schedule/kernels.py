@@ -22,6 +22,7 @@ from sextant.kernel.ir import (
     Expr,
     For,
     Kernel,
+    Load,
     Select,
     Special,
     Store,
@@ -179,12 +180,19 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
             acc = e.var("acc", acc_t)
             e.emit(Assign(acc, Const(reduce_identity(fn, acc_t), acc_t)))
 
-            def step(q: Var, m: Node = m, acc: Var = acc, fn: str = fn, acc_t: DType = acc_t) -> None:
+            def term(q: Expr, m: Node = m, acc_t: DType = acc_t) -> Expr:
                 v = e.value(m.inputs[0], full_index(row_idx, red_index(q)))
-                v = v if v.dtype == acc_t else Cast(v, acc_t)
-                e.emit(Assign(acc, Binary(combine_op(fn), acc, v, acc_t)))
+                return v if v.dtype == acc_t else Cast(v, acc_t)
 
-            _loop(e, n_red, step, "q")
+            def step(q: Var, acc: Var = acc, fn: str = fn, acc_t: DType = acc_t) -> None:
+                e.emit(Assign(acc, Binary(combine_op(fn), acc, term(q), acc_t)))
+
+            lanes = reduce_lanes(target, acc_t, n_red)
+            if lanes > 1:
+                buf = local_lanes.setdefault(acc_t, Buffer(f"lanes_{acc_t.name}", acc_t, lanes, "local"))
+                _lane_split(e, buf.name, lanes, n_red, acc, fn, acc_t, term)
+            else:
+                _loop(e, n_red, step, "q")
             result = acc if acc_t == m.dtype else e.bind(Cast(acc, m.dtype))
             e.regs[id(m)] = result
             for v in group.members:  # row values computable now: once per row, not per element
@@ -204,9 +212,44 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
         for m in group.members:  # registers are per row
             e.regs.pop(id(m), None)
 
+    local_lanes: dict[DType, Buffer] = {}
     if rows:
         _row_loop(e, rows, per, row)
-    return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts))
+    return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=tuple(local_lanes.values()))
+
+
+def reduce_lanes(target: TargetDesc, acc_t: DType, n_red: int) -> int:
+    """Independent partial results a CPU reduction keeps: two vectors' worth of lanes (two chains
+    in flight hide the add's latency), or 1 (a plain sequential loop) for short rows."""
+    lanes = 2 * max(1, target.vector_bytes // max(1, acc_t.itemsize))
+    return lanes if n_red >= 2 * lanes else 1
+
+
+def _lane_split(e: ValueEmitter, buf: str, lanes: int, n_red: int, acc: Var, fn: str, acc_t: DType,
+                term: Callable[[Expr], Expr]) -> None:
+    """``acc = fn(term(q) for q < n_red)`` as ``lanes`` partial results, lane ``l`` taking ``q ≡ l``
+    (mod lanes) — the CPU's version of a GPU warp's lanes: the lanes are a local array with constant
+    indices, so LLVM keeps them in vector registers and the loop becomes vector loads and vector
+    adds (a sequential float sum cannot be vectorised: its order is fixed). The lanes are then
+    combined in order, and the ``n_red % lanes`` remaining terms added last."""
+    op, ident = combine_op(fn), Const(reduce_identity(fn, acc_t), acc_t)
+    _loop(e, lanes, lambda u: e.emit(Store(buf, u, ident)), "u", unroll=True)
+    main = n_red - n_red % lanes
+
+    def chunk(q0: Var) -> None:
+        def lane(u: Var) -> None:
+            e.emit(Store(buf, u, Binary(op, Load(buf, u, acc_t), term(iadd(q0, u)), acc_t)))
+
+        _loop(e, lanes, lane, "u", unroll=True)
+
+    v = e.var("q0")
+    with e.scope() as body:
+        chunk(v)
+    e.emit(For(v, c(0), c(main), lanes, tuple(body)))
+    for u in range(lanes):
+        e.emit(Assign(acc, Binary(op, acc, Load(buf, c(u), acc_t), acc_t)))
+    if main < n_red:
+        _loop(e, n_red, lambda q: e.emit(Assign(acc, Binary(op, acc, term(q), acc_t))), "q", start=c(main))
 
 
 def regs_ready(n: Node, regs: dict, members: set[int]) -> bool:
