@@ -128,6 +128,8 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: 
 
 def _compile_cpu(graph: Graph, stages: dict[str, Any], step: StageHook) -> CompiledModule:
     from sextant.codegen.llvm_cpu import compile_kernels
+    from sextant.codegen.race_check import CheckedCpuModule
+    from sextant.runtime.native_runner import NativeRunner
     from sextant.runtime.program_runner import ProgramRunner
     from sextant.schedule.program import schedule
     from sextant.schedule.target import cpu_target
@@ -137,5 +139,7 @@ def _compile_cpu(graph: Graph, stages: dict[str, Any], step: StageHook) -> Compi
     with step("llvm-cpu"):
         module = compile_kernels(list(program.kernels.values()))
     stages.update(program=program, cpu_module=module)
-    runner = ProgramRunner(program, module.launch)
+    # the checked build reports races per launch, so it keeps the launch-by-launch runner
+    runner = ProgramRunner(program, module.launch) if isinstance(module, CheckedCpuModule) else \
+        NativeRunner(program, module)
     return CompiledModule(graph, "cpu", runner, stages=stages)

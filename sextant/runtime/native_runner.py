@@ -1,0 +1,101 @@
+"""Runs a scheduled CPU :class:`Program` with one native call per forward pass.
+
+Like :class:`~sextant.runtime.program_runner.ProgramRunner` (weights uploaded once, one arena
+per calling thread, outputs allocated per call), but the launch sequence is a plan table that
+``codegen.executor``'s ``sextant_run`` walks natively: the buffers' pointers sit in a slot
+array built once per thread, so a call only writes its inputs' and outputs' pointers and makes
+one ctypes call per worker thread (a second worker only when some launch is big enough to
+split). Buffer checks happen once, when the slots are built, not per launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
+from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, _thread_pool, estimate_work, workers
+from sextant.schedule.program import Program
+
+
+class NativeRunner:
+    def __init__(self, program: Program, module: CpuModule) -> None:
+        self.program = program
+        self._run = executor()
+        self._params = {i: t.contiguous() for i, t in program.constants.items()}
+        names = list(program.kernels)
+        index = {n: i for i, n in enumerate(names)}
+        self._fns = (ctypes.c_void_p * max(1, len(names)))(
+            *[ctypes.cast(module._fns[n], ctypes.c_void_p).value for n in names])
+        nthreads = workers()
+        parallel = []
+        for launch in program.launches:
+            k = program.kernels[launch.kernel]
+            if len(launch.args) > MAX_ARGS:
+                raise LaunchError(f"kernel {k.name} takes {len(launch.args)} buffers; the executor passes at most "
+                                  f"{MAX_ARGS}")
+            work = estimate_work(k) * launch.blocks // max(1, k.num_blocks)
+            parallel.append(nthreads > 1 and launch.blocks >= 2 and work >= PARALLEL_WORK)
+        self.workers = nthreads if any(parallel) else 1
+        plan, argidx = [len(program.launches)], []
+        for li, launch in enumerate(program.launches):
+            nxt = parallel[li + 1] if li + 1 < len(parallel) else False
+            flags = (PARALLEL if parallel[li] else 0) | (BARRIER if parallel[li] or nxt else 0)
+            plan += [index[launch.kernel], len(launch.args), len(argidx), launch.blocks, flags]
+            argidx += launch.args
+        assert len(plan) == 1 + FIELDS * len(program.launches)
+        self._plan = (ctypes.c_int32 * len(plan))(*plan)
+        self._argidx = (ctypes.c_int32 * max(1, len(argidx)))(*argidx)
+        self._inputs = [b.index for b in program.buffers if b.kind == "input"]
+        self._outputs = [b for b in program.buffers if b.kind == "output"]
+        self._local = threading.local()
+        self._module = module  # keeps the machine code alive
+
+    def _state(self) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
+        """This thread's slot array (params and arena temps filled in), barrier and tensors."""
+        st = getattr(self._local, "state", None)
+        if st is None:
+            p = self.program
+            arena = torch.empty(p.arena_bytes, dtype=torch.uint8)
+            tensors: dict[int, torch.Tensor] = dict(self._params)
+            for b in p.buffers:
+                if b.kind == "temp":
+                    tensors[b.index] = arena[b.offset:b.offset + b.nbytes].view(b.node.dtype.torch).view(b.node.shape)
+            slots = (ctypes.c_void_p * max(1, len(p.buffers)))()
+            for i, t in tensors.items():
+                slots[i] = t.data_ptr()
+            sync = (ctypes.c_int32 * 2)()
+            st = self._local.state = (slots, sync, tensors)
+        return st
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        p = self.program
+        slots, sync, fixed = self._state()
+        tensors = dict(fixed)
+        for i, x in zip(self._inputs, inputs):  # inputs come first, in graph order
+            x = x.contiguous()
+            tensors[i] = x
+            slots[i] = x.data_ptr()
+        for b in self._outputs:
+            t = torch.empty(b.node.shape, dtype=b.node.dtype.torch)
+            tensors[b.index] = t
+            slots[b.index] = t.data_ptr()
+        run, nw = self._run, self.workers
+        args = (ctypes.addressof(self._plan), ctypes.addressof(self._argidx), ctypes.addressof(slots),
+                ctypes.addressof(self._fns))
+        if nw == 1:
+            run(*args, 0, 1, ctypes.addressof(sync))
+        else:
+            pool = _thread_pool()
+            futures = [pool.submit(run, *args, w, nw, ctypes.addressof(sync)) for w in range(1, nw)]
+            run(*args, 0, nw, ctypes.addressof(sync))
+            for f in futures:
+                f.result()
+        out = []
+        for i in p.outputs:
+            t = tensors[i]
+            out.append(t if p.buffers[i].kind == "output" else t.clone())
+        return out
