@@ -30,6 +30,12 @@ class CompiledModule:
         self.device = device  # torch device type the inputs must be on (and the outputs are returned on)
         self._executor = executor
         self.stages = stages or {}  # per-stage artifacts (e.g. the graph after each pass), for inspection
+        # the common call — positional tensors only — is checked without flattening a pytree
+        g = graph
+        self._positional = g.in_spec is not None and len(g.leaves) == len(g.inputs) and all(
+            leaf.input_index == i for i, leaf in enumerate(g.leaves)) and g.in_spec == pytree.tree_structure(
+            (tuple(range(len(g.leaves))), {}))
+        self._expected = [(tuple(n.shape), n.dtype.torch) for n in g.inputs]
 
     def __repr__(self) -> str:
         program = self.stages.get("program")
@@ -53,6 +59,10 @@ class CompiledModule:
 
     def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Validate a call and return the tensors for the graph inputs, in order."""
+        if self._positional and not kwargs and len(args) == len(self._expected) and all(
+                type(a) is torch.Tensor and a.shape == s and a.dtype == d and a.device.type == self.device
+                for a, (s, d) in zip(args, self._expected)):
+            return list(args)
         g = self.graph
         if g.in_spec is None:
             leaves, spec = list(args) + list(kwargs.values()), None
