@@ -113,8 +113,12 @@ def transformer_block(batch: int = 2, seq: int = 16) -> tuple[nn.Module, tuple]:
 
 
 def gpt2(n_layer: int = 2, n_embd: int = 128, n_head: int = 4, batch: int = 1, seq: int = 32,
-         vocab: int = 1000) -> tuple[nn.Module, tuple]:
-    """GPT-2 from transformers, built from a small config with random weights (no hub access)."""
+         vocab: int = 1000, attn: str = "eager") -> tuple[nn.Module, tuple]:
+    """GPT-2 from transformers, built from a small config with random weights (no hub access).
+
+    ``attn`` is transformers' ``attn_implementation``: "eager" (explicit matmul/softmax ops) or
+    "sdpa" (transformers' default, one ``scaled_dot_product_attention`` call per layer).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -123,7 +127,7 @@ def gpt2(n_layer: int = 2, n_embd: int = 128, n_head: int = 4, batch: int = 1, s
     torch.manual_seed(0)
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,
                         n_positions=max(seq, 64), bos_token_id=0, eos_token_id=0,
-                        attn_implementation="eager")
+                        attn_implementation=attn)
     model = GPT2Logits(GPT2LMHeadModel(config)).eval()
     return model, (torch.randint(0, vocab, (batch, seq)),)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from sextant.errors import ExportError, UnsupportedOp, UnsupportedOpError
-from sextant.frontend.lowerings import LOWERINGS, LoweringContext, Unsupported
+from sextant.frontend.lowerings import KEPT_WHOLE, LOWERINGS, LoweringContext, Unsupported
 from sextant.frontend.source import module_path, short_loc, user_frame
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
@@ -39,9 +39,17 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
     try:
         with warnings.catch_warnings():  # torch's own deepcopy of its treespecs trips its own deprecation
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
-            return ep.run_decompositions()
+            return ep.run_decompositions(decomposition_table())
     except Exception as e:
         raise ExportError(f"Core ATen decomposition failed: {type(e).__name__}: {e}") from e
+
+
+def decomposition_table() -> dict[torch._ops.OperatorBase, Callable[..., Any]]:
+    """torch's Core ATen decompositions minus the ops sextant lowers whole (``KEPT_WHOLE``: attention)."""
+    table = torch.export.default_decompositions()
+    for op in KEPT_WHOLE:
+        table.pop(op, None)
+    return table
 
 
 def _op_name(target: Any) -> str:

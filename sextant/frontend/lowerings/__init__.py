@@ -1,6 +1,7 @@
 """ATen → graph-IR lowerings, one module per op family. Importing this package fills the table."""
 
-from sextant.frontend.lowerings import elementwise, movement, nn, reductions, resample, scatter, strided  # noqa: F401
+from sextant.frontend.lowerings import attention, elementwise, movement, nn, reductions, resample, scatter, strided  # noqa: F401
+from sextant.frontend.lowerings.attention import KEPT_WHOLE
 from sextant.frontend.lowerings.registry import LOWERINGS, LoweringContext, Unsupported, lower
 
-__all__ = ["LOWERINGS", "LoweringContext", "Unsupported", "lower"]
+__all__ = ["KEPT_WHOLE", "LOWERINGS", "LoweringContext", "Unsupported", "lower"]

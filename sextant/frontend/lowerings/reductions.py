@@ -153,6 +153,18 @@ def _cumprod(ctx: LoweringContext, x: Node, dim: int, *, dtype=None) -> Node:
     return _scan(ctx, x, dim, "prod")
 
 
+def softmax_terms(b: GraphBuilder, y: Node, dim: int) -> tuple[Node, Node, Node, Node]:
+    """(max, y - max, exp(y - max), sum) along ``dim`` (keepdim): the one softmax form every lowering emits.
+
+    Shared so that softmax, log_softmax and attention reach the scheduler (and its pattern
+    matchers) as the same max → sub → exp → sum chain.
+    """
+    m = b.reduce("max", y, [dim])
+    shifted = b.sub(y, b.expand(m, y.shape))
+    e = b.unary("exp", shifted)
+    return m, shifted, e, b.reduce("sum", e, [dim])
+
+
 @lower(aten._softmax.default, aten._log_softmax.default)
 def _softmax(ctx: LoweringContext, x: Node, dim: int, half_to_float: bool) -> Node:
     b = ctx.b
@@ -160,10 +172,7 @@ def _softmax(ctx: LoweringContext, x: Node, dim: int, half_to_float: bool) -> No
     if x.type.rank == 0:
         return b.full(0.0 if ctx.fx_node.target == aten._log_softmax.default else 1.0, (), out)
     y = b.cast(x, opmath(x.dtype))
-    dim %= x.type.rank
-    shifted = b.sub(y, b.expand(b.reduce("max", y, [dim]), y.shape))
-    e = b.unary("exp", shifted)
-    s = b.reduce("sum", e, [dim])
+    _, shifted, e, s = softmax_terms(b, y, dim % x.type.rank)
     if ctx.fx_node.target == aten._log_softmax.default:
         r = b.sub(shifted, b.expand(b.unary("log", s), y.shape))
     else:
