@@ -13,12 +13,25 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
-from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, _thread_pool, estimate_work, workers
+from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
 from sextant.schedule.program import Program
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(helpers: int) -> ThreadPoolExecutor:
+    """A pool of exactly ``helpers`` threads: every worker of a plan must run at once (they meet at
+    barriers), so a smaller shared pool could leave one waiting for a thread that never comes."""
+    with _pools_lock:
+        if helpers not in _pools:
+            _pools[helpers] = ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="sextant-native")
+        return _pools[helpers]
 
 
 class NativeRunner:
@@ -89,7 +102,7 @@ class NativeRunner:
         if nw == 1:
             run(*args, 0, 1, ctypes.addressof(sync))
         else:
-            pool = _thread_pool()
+            pool = _pool(nw - 1)
             futures = [pool.submit(run, *args, w, nw, ctypes.addressof(sync)) for w in range(1, nw)]
             run(*args, 0, nw, ctypes.addressof(sync))
             for f in futures:
