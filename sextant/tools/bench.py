@@ -2,9 +2,13 @@
 
 For each model: compile time (torch.export + decompositions, then sextant's own stages),
 median run time, kernel count and planned peak memory, and the ratio to eager, all measured
-in one run. Writes a markdown table to docs/benchmarks.md with the machine it ran on.
+in one run; then a profile of where sextant's time goes (per kernel kind, the slowest kernel,
+and the per-call overhead outside the kernels). Writes markdown tables to docs/benchmarks.md
+with the machine they ran on.
 
-    python -m sextant.tools.bench [--models mlp,cnn,gpt2-2l,gpt2-12l] [--no-inductor] [--out FILE]
+    python -m sextant.tools.bench [--models mlp,cnn,...] [--no-inductor] [--out FILE]
+
+The default set is the examples plus :mod:`sextant.zoo` (real architectures from small configs).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 
 from sextant.examples import EXAMPLES, gpt2
+from sextant.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +35,7 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "transformer-block": EXAMPLES["transformer-block"],
     "gpt2-2l": lambda: gpt2(n_layer=2, batch=1, seq=128),
     "gpt2-12l": lambda: gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=1, seq=128),
+    **ZOO,
 }
 
 
@@ -49,7 +55,7 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
     from sextant.frontend.capture import export, translate
     from sextant.graph.passes import run_pipeline
     from sextant.runtime.compiled import CompiledModule
-    from sextant.runtime.program_runner import ProgramRunner
+    from sextant.runtime.native_runner import NativeRunner
     from sextant.schedule.program import schedule
     from sextant.schedule.target import cpu_target
 
@@ -68,13 +74,16 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
     t3 = time.perf_counter()
     module = compile_kernels(list(program.kernels.values()))
     t4 = time.perf_counter()
-    compiled = CompiledModule(graph, "cpu", ProgramRunner(program, module.launch))
+    compiled = CompiledModule(graph, "cpu", NativeRunner(program, module))
     row.update(export_s=t1 - t0, graph_s=t2 - t1, schedule_s=t3 - t2, codegen_s=t4 - t3,
                kernels=len(program.launches), unique_kernels=len(program.kernels),
-               peak_mib=program.peak_bytes / 2**20)
+               peak_mib=program.peak_bytes / 2**20, nodes=len(graph.nodes))
     got = compiled(*args)
     row["max_err"] = (got - expected).abs().max().item()
+    row["rel_err"] = row["max_err"] / max(expected.abs().max().item(), 1e-30)
     row["sextant_ms"] = _median_time(lambda: compiled(*args)) * 1e3
+    row["profile"] = profile(program, module, [a for a in args if isinstance(a, torch.Tensor)],
+                             row["sextant_ms"])  # type: ignore[arg-type]
 
     if inductor:
         torch._dynamo.reset()
@@ -86,6 +95,36 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
         with torch.no_grad():
             row["inductor_ms"] = _median_time(lambda: opt(*args)) * 1e3
     return row
+
+
+def profile(program: object, module: object, inputs: list[torch.Tensor], total_ms: float) -> dict[str, object]:
+    """Each launch timed alone (median of a few), summed per kernel kind; the rest of a call's time
+    (allocating outputs, the executor's barriers, the hand-off to the worker thread) is overhead."""
+    from sextant.runtime.program_runner import ProgramRunner
+
+    per_launch: list[float] = []
+
+    def timed(kernel: str, buffers: list[torch.Tensor], blocks: int) -> None:
+        run = module.prepare(kernel, buffers, blocks)  # type: ignore[attr-defined]
+        run()
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            run()
+            ts.append(time.perf_counter() - t0)
+        per_launch.append(statistics.median(ts) * 1e3)
+
+    ProgramRunner(program, timed)(inputs)  # type: ignore[arg-type]
+    kinds: dict[str, float] = {}
+    worst = (0.0, "")
+    for launch, ms in zip(program.launches, per_launch):  # type: ignore[attr-defined]
+        g = program.groups[launch.group]  # type: ignore[attr-defined]
+        kinds[g.kind] = kinds.get(g.kind, 0.0) + ms
+        if ms > worst[0]:
+            shape = "×".join(map(str, g.anchor.shape))
+            worst = (ms, f"{g.kind} {g.anchor.op} {shape}")
+    kernels = sum(per_launch)
+    return {"kinds": kinds, "kernels_ms": kernels, "overhead_ms": total_ms - kernels, "worst": worst}
 
 
 def _machine() -> str:
@@ -115,7 +154,7 @@ def to_markdown(rows: list[dict[str, object]]) -> str:
 
     lines = [
         "| model | eager ms | sextant cpu ms | × eager | torch.compile ms | × eager | kernels (unique) "
-        "| peak MiB | export s | sextant stages s | Inductor compile s | max abs err |",
+        "| peak MiB | export s | sextant stages s | Inductor compile s | max abs err (rel) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -129,8 +168,37 @@ def to_markdown(rows: list[dict[str, object]]) -> str:
             f"{f(r['peak_mib'], '.2f')} | {f(r['export_s'], '.2f')} | {f(own, '.2f')} "
             f"(graph {f(r['graph_s'], '.2f')}, schedule {f(r['schedule_s'], '.2f')}, "
             f"codegen {f(r['codegen_s'], '.2f')}) | {f(r.get('inductor_compile_s'), '.1f')} | "
-            f"{f(r['max_err'], '.1e')} |")
+            f"{f(r['max_err'], '.1e')} ({f(r.get('rel_err'), '.0e')}) |")
     return "\n".join(lines)
+
+
+def profile_markdown(rows: list[dict[str, object]]) -> str:
+    lines = ["| model | sextant ms | matmul | conv | reduce | elementwise | overhead | slowest launch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r.get("profile")
+        if not isinstance(p, dict):
+            continue
+        kinds = p["kinds"]
+        total = r["sextant_ms"]
+
+        def share(ms: float, total: float = total) -> str:  # type: ignore[assignment]
+            return f"{ms:.2f} ({100 * ms / total:.0f}%)" if ms else "–"
+
+        ms, what = p["worst"]
+        lines.append(f"| {r['model']} | {total:.2f} | " + " | ".join(share(kinds.get(k, 0.0)) for k in
+                                                                    ("matmul", "conv", "reduce", "elementwise"))
+                     + f" | {share(p['overhead_ms'])} | {ms:.2f} ms {what} |")
+    return "\n".join(lines)
+
+
+def ratios_summary(rows: list[dict[str, object]]) -> str:
+    ratios = sorted(r["sextant_ms"] / r["eager_ms"] for r in rows)  # type: ignore[operator]
+    own = sorted(sum(r[k] for k in ("graph_s", "schedule_s", "codegen_s")) for r in rows)  # type: ignore[misc]
+    if not ratios:
+        return ""
+    return (f"Median run-time ratio to eager: **{statistics.median(ratios):.2f}** (worst {ratios[-1]:.2f}); "
+            f"sextant's own compile stages: median {statistics.median(own):.2f} s, worst {own[-1]:.2f} s.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         "# Benchmarks\n\n"
         "Generated by `make bench` (`python -m sextant.tools.bench`); every number below comes from one run.\n\n"
         f"Machine: {_machine()}.\n\n"
-        "Run times are medians over repeated calls after a warm-up, batch 1; GPT-2 at sequence 128. "
-        "`× eager` below 1 is faster than eager. Compile time is split into torch.export + Core ATen "
-        "decompositions and sextant's own stages (translation + graph passes, scheduling, LLVM code "
-        "generation + JIT).\n\n" + table + "\n"
+        "Run times are medians over repeated calls after a warm-up. The examples run at batch 1 (GPT-2 at "
+        "sequence 128); the real architectures of `sextant/zoo.py` at batch 2, sequence 16 or 64×64 images "
+        "(ResNet-50: full size, batch 1). `× eager` below 1 is faster than eager. Compile time is split into "
+        "torch.export + Core ATen decompositions and sextant's own stages (translation + graph passes, "
+        "scheduling, LLVM code generation + JIT).\n\n" + table + "\n\n" + ratios_summary(rows) + "\n\n"
+        "### Where sextant's time goes\n\n"
+        "Each launch timed alone (median of 5), summed per kernel kind; *overhead* is the rest of a call "
+        "(outputs allocated, the executor's barriers and hand-off; negative when launches run faster "
+        "back to back than alone).\n\n" + profile_markdown(rows) + "\n"
     )
     print(table)
     if ns.out:
