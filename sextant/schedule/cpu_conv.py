@@ -16,8 +16,9 @@ are contiguous in memory only within an output row and only at stride 1 — the 
 become gathers — while the weight can be laid out at will. The cost is ``mr`` scalar loads (each
 broadcast into a vector) per k step, the same as the matmul's A.
 
-Depthwise and other convolutions with few output channels per group (< ``MIN_GROUP_COLUMNS``)
-keep the direct mapping (``kernels.conv_kernel``): padded to a vector, most lanes would be zeros.
+Depthwise convolutions (one channel per group: padded to a vector, most GEMM lanes would be zeros)
+have their own mapping, vectorised along the output row (:func:`depthwise_kernel`); the rest
+(3-D depthwise, weights computed from an input) keep the direct mapping (``kernels.conv_kernel``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.passes.rewrite import rebuild
-from sextant.kernel.ir import Binary, Cast, Const, Expr, Kernel, Load, Select
+from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, If, Kernel, Load, Select, Store, Var
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
-from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul, strides
+from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imul, strides
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 
-MIN_GROUP_COLUMNS = 4  # output channels per group below which the direct mapping is kept
+MIN_GROUP_COLUMNS = 2  # output channels per group below which (depthwise) the GEMM is not used
 CONV_BLOCK_M, CONV_BLOCK_N = 128, 64  # C tile per block, as for matmul
 
 
@@ -54,10 +55,16 @@ def _constant(n: Node) -> bool:
 
 
 def conv_columns(cv: Node, target: TargetDesc) -> int:
-    """The GEMM's column tile: one vector of f32 lanes for narrow groups, else two."""
+    """The GEMM's column tile: two vectors of f32 lanes, one for narrower groups, and for groups
+    narrower than a vector the next power of two (≥ 4): the zero padding wastes under half."""
     lanes = max(1, target.vector_bytes // 4)
     cout_g = cv.inputs[1].shape[0] // cv.attr("groups")
-    return lanes if cout_g <= lanes else 2 * lanes
+    if cout_g > lanes:
+        return 2 * lanes
+    w = 4
+    while w < cout_g:
+        w *= 2
+    return min(w, lanes)
 
 
 def uses_gemm(cv: Node) -> bool:
@@ -224,3 +231,86 @@ def explicit_padding(graph: Graph) -> Graph:
         return make_node("conv", (xp, n.inputs[1]), {**n.attr_dict, "padding": (0,) * len(pads)}, n.loc)
 
     return rebuild(graph, fn)
+
+
+def is_depthwise(cv: Node) -> bool:
+    """One input channel per group and at most 2 spatial dims: the row-vectorised mapping below."""
+    return cv.inputs[1].shape[1] == 1 and len(cv.shape) in (3, 4) and not uses_gemm(cv)
+
+
+def depthwise_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """Depthwise convolution, vectorised along the output row.
+
+    A block takes a chunk of output rows (batch, channel, output row); per row, every kernel tap
+    ``(kh, kw)`` adds ``x[.., ih, ow·s + kw·d - p] · w[c, kh, kw]`` into a local row of
+    accumulators over the range of ``ow`` where the tap lands inside the input — computed at
+    compile time per ``kw``, so the innermost loop has no bounds check and (at stride 1) reads
+    contiguously: LLVM vectorises it. A tap row outside the input (``ih``) is skipped by one
+    branch per row. Then the epilogue stores the row."""
+    from sextant.schedule.kernels import _chunks, _loop, _row_loop, setup_kernel, store_epilogue
+
+    cv = group.anchor
+    x, w = cv.inputs
+    one_d = len(cv.shape) == 3
+    stride, padding, dilation = (((1,) if one_d else ()) + tuple(cv.attr(a)) for a in ("stride", "padding", "dilation"))
+    batch, cout = cv.shape[:2]
+    oh_n, ow_n = (1, cv.shape[2]) if one_d else cv.shape[2:]
+    ih_n, iw_n = (1, x.shape[2]) if one_d else x.shape[2:]
+    kh_n, kw_n = (1, w.shape[2]) if one_d else w.shape[2:]
+    mult = cout // cv.attr("groups")  # output channels per input channel
+    e, params, _ = setup_kernel(group, stored)
+    acc_t = accum_dtype(cv.dtype)
+    rows = batch * cout * oh_n
+    blocks, per = _chunks(rows, target, ow_n * kh_n * kw_n)
+    acc = Buffer("row", acc_t, ow_n, "local")
+
+    def ix(nn: Expr, ci: Expr, ih: Expr, iw: Expr) -> tuple[Expr, ...]:
+        return (nn, ci, iw) if one_d else (nn, ci, ih, iw)
+
+    def row(r: Var) -> None:
+        nn, co, oh = delinearize(r, (batch, cout, oh_n))
+        ci = idiv(co, mult)
+        _loop(e, ow_n, lambda j: e.emit(Store("row", j, Const(0.0, acc_t))), "z")
+        for kh in range(kh_n):
+            ih = e.bind(iadd(imul(oh, stride[0]), c(kh * dilation[0] - padding[0])), "ih")
+
+            def taps(kh: int = kh, ih: Expr = ih) -> None:
+                for kw in range(kw_n):
+                    off = kw * dilation[1] - padding[1]
+                    lo = max(0, -(off // stride[1]))  # first ow with ow·s + off ≥ 0 (ceil(-off / s))
+                    hi = min(ow_n, (iw_n - 1 - off) // stride[1] + 1) if off < iw_n else 0  # past the last inside
+                    if lo >= hi:
+                        continue
+                    wv = e.value(w, (co, c(0), c(kw)) if one_d else (co, c(0), c(kh), c(kw)))
+                    wv = e.bind(wv if wv.dtype == acc_t else Cast(wv, acc_t), "w")
+
+                    def tap(ow: Var, wv: Expr = wv, off: int = off) -> None:
+                        xv = e.value(x, ix(nn, ci, ih, iadd(imul(ow, stride[1]), c(off))))
+                        xv = xv if xv.dtype == acc_t else Cast(xv, acc_t)
+                        e.emit(Store("row", ow, Binary("add", Load("row", ow, acc_t),
+                                                       Binary("mul", xv, wv, acc_t), acc_t)))
+
+                    _loop(e, hi, tap, "ow", start=c(lo))
+
+            if one_d or (kh * dilation[0] - padding[0] >= 0 and (oh_n - 1) * stride[0] + kh * dilation[0]
+                         - padding[0] < ih_n):
+                taps()  # this tap row is inside the input for every output row
+            else:
+                inside = Binary("bitwise_and", Binary("ge", ih, c(0), DType.bool),
+                                Binary("lt", ih, c(ih_n), DType.bool), DType.bool)
+                with e.scope() as then:
+                    taps()
+                e.emit(If(inside, tuple(then)))
+
+        def out(ow: Var) -> None:
+            v = Load("row", ow, acc_t)
+            e.regs[id(cv)] = e.bind(v if acc_t == cv.dtype else Cast(v, cv.dtype), "c")
+            store_epilogue(e, group, (nn, co, ow) if one_d else (nn, co, oh, ow))
+            e.regs.pop(id(cv))
+
+        _loop(e, ow_n, out, "ow")
+
+    if rows and ow_n:
+        _row_loop(e, rows, per, row)
+    return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=(acc,))
+

@@ -28,7 +28,7 @@ from sextant.kernel.ir import (
     Store,
     Var,
 )
-from sextant.schedule.cpu_conv import conv_gemm_kernel
+from sextant.schedule.cpu_conv import conv_gemm_kernel, depthwise_kernel, is_depthwise
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.indexing import (
     Index,
@@ -273,6 +273,18 @@ def micro_tile(target: TargetDesc) -> tuple[int, int]:
     return mr, nr
 
 
+def narrow_columns(n: int, nr: int) -> int:
+    """The register tile's columns for a matrix narrower than one strip (attention's ``P·V`` with a
+    head size of 8 or 16): the widest power of two ≥ 4 that divides ``n``, so the whole matrix runs
+    the vector micro-kernel instead of the scalar edge path."""
+    if n >= nr:
+        return nr
+    w = nr
+    while w > 4 and (w > n or n % w):
+        w //= 2
+    return w if w <= n and n % w == 0 else nr
+
+
 def _whole_tiles(x: int, to: int) -> int:
     return max(to, x // to * to)
 
@@ -316,6 +328,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     e, params, _ = setup_kernel(group, stored)
     acc_t = accum_dtype(mm.dtype)
     mr, nr = micro_tile(target)
+    nr = narrow_columns(n, nr)
     pack = n * b.dtype.itemsize % PACK_ALIAS_BYTES == 0
 
     def rows(bidx: Index, i0: Expr, count: int) -> list[Callable[[Expr], Expr]]:
@@ -406,9 +419,12 @@ def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -
 
 
 def cpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    """An implicit GEMM (``cpu_conv``) when the scheduler laid out the weights for it, else direct."""
+    """An implicit GEMM (``cpu_conv``) when the scheduler laid out the weights for it, the row-vectorised
+    depthwise mapping for one channel per group, else direct."""
     if id(group.anchor.inputs[1]) in group.packed:
         return conv_gemm_kernel(group, stored, target, name)
+    if is_depthwise(group.anchor):
+        return depthwise_kernel(group, stored, target, name)
     return conv_kernel(group, stored, target, name)
 
 

@@ -28,8 +28,17 @@ CASES = {  # name: (conv, input shape)
     "conv1d-grouped-positional": (lambda: nn.Conv1d(32, 32, 16, padding=8, groups=4), (2, 32, 20)),
     "conv3d": (lambda: nn.Conv3d(3, 8, 3, padding=1), (1, 3, 5, 6, 4)),
     "transposed": (lambda: nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1), (2, 8, 5, 6)),
-    "depthwise-direct": (lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16), (2, 16, 8, 8)),
+    "depthwise": (lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16), (2, 16, 8, 8)),
+    "depthwise-7x7-ragged": (lambda: nn.Conv2d(8, 8, 7, padding=3, groups=8), (1, 8, 5, 11)),
+    "depthwise-stride2-dilated": (lambda: nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, groups=8),
+                                  (2, 8, 9, 10)),
+    "depthwise-unpadded-stride3": (lambda: nn.Conv2d(4, 4, (2, 3), stride=(1, 3), groups=4), (1, 4, 6, 14)),
+    "depthwise-1d": (lambda: nn.Conv1d(12, 12, 5, padding=4, groups=12), (2, 12, 9)),
+    "channel-multiplier-2": (lambda: nn.Conv2d(8, 16, 3, padding=1, groups=8), (2, 8, 6, 6)),
+    "depthwise-3d-direct": (lambda: nn.Conv3d(4, 4, 3, padding=1, groups=4), (1, 4, 4, 5, 3)),
 }
+MAPPING = {"depthwise": "depthwise", "depthwise-7x7-ragged": "depthwise", "depthwise-stride2-dilated": "depthwise",
+           "depthwise-unpadded-stride3": "depthwise", "depthwise-1d": "depthwise", "depthwise-3d-direct": "direct"}
 
 
 class ConvReLU(nn.Module):
@@ -62,8 +71,9 @@ def test_conv_matches_eager(case: str, vector_bytes: int) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     convs = [program.kernels[launch.kernel] for launch in program.launches
              if program.groups[launch.group].kind == "conv"]
-    gemm = [any(b.name == "acc" for b in k.local) for k in convs]
-    assert gemm == [case != "depthwise-direct"], "implicit GEMM unless < 4 output channels per group"
+    kinds = ["gemm" if any(b.name == "acc" for b in k.local) else
+             "depthwise" if any(b.name == "row" for b in k.local) else "direct" for k in convs]
+    assert kinds == [MAPPING.get(case, "gemm")], "implicit GEMM unless one channel per group"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

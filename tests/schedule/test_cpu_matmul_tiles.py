@@ -13,7 +13,7 @@ from sextant.graph.dtypes import DType
 from sextant.graph.passes import run_pipeline
 from sextant.graph.reference import run_graph
 from sextant.runtime.program_runner import ProgramRunner
-from sextant.schedule.kernels import micro_tile
+from sextant.schedule.kernels import micro_tile, narrow_columns
 from sextant.schedule.program import schedule
 from sextant.schedule.target import cpu_target
 
@@ -23,6 +23,10 @@ def test_micro_tile_follows_the_vector_width(vector_bytes: int, tile: tuple[int,
     assert micro_tile(cpu_target(cores=2, vector_bytes=vector_bytes)) == tile
 
 
+def test_narrow_matrices_get_a_narrow_tile() -> None:
+    assert [narrow_columns(n, 32) for n in (3, 4, 8, 12, 16, 24, 31, 32, 50257)] == [32, 4, 8, 4, 16, 8, 32, 32, 32]
+
+
 @pytest.mark.parametrize("vector_bytes", [32, 64])
 @pytest.mark.parametrize(("batch", "m", "k", "n", "dtype"), [
     ((), 1, 1, 1, DType.f32),
@@ -30,6 +34,9 @@ def test_micro_tile_follows_the_vector_width(vector_bytes: int, tile: tuple[int,
     ((3,), 65, 40, 70, DType.f32),
     ((), 130, 24, 1024, DType.f32),  # row stride a multiple of 4 KiB: B packed by the first row tile
     ((), 37, 19, 45, DType.f16),
+    ((4,), 37, 40, 8, DType.f32),  # narrower than a strip: an 8-column register tile (attention's P·V)
+    ((2,), 19, 9, 12, DType.f32),  # ... 4 columns, 3 strips
+    ((), 11, 5, 24, DType.f16),
 ])
 def test_matmul_with_bias_matches_reference(vector_bytes: int, batch: tuple[int, ...], m: int, k: int, n: int,
                                             dtype: DType) -> None:
