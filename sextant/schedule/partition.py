@@ -92,10 +92,11 @@ def _effective_users(n: Node, users: dict[Node, list[Node]], group_of: dict[int,
     return out
 
 
-def partition(graph: Graph, *, store_conv_pads: bool = False) -> list[Group]:
-    """``store_conv_pads``: a convolution's ``pad`` operand is stored rather than inlined (the CPU's
-    implicit GEMM reads each input element Cout·kernel times, so it wants its padding copied once;
-    the GPU's stages its tiles through shared memory and pads there)."""
+def partition(graph: Graph, *, store_conv_inputs: bool = False) -> list[Group]:
+    """``store_conv_inputs``: a convolution's input is stored rather than inlined, whatever computes
+    it — zero padding, a concat, a resize, a cheap activation (the CPU reads each input element
+    Cout·kernel / vector times, and its implicit GEMM wants one add per read; the GPU stages its
+    tiles through shared memory and computes them there once)."""
     users = graph.users()
     outputs = {id(o) for o in graph.outputs}
     stored: set[int] = set()  # nodes that get a buffer written by some kernel
@@ -113,7 +114,8 @@ def partition(graph: Graph, *, store_conv_pads: bool = False) -> list[Group]:
     for n in graph.nodes:
         if n.op in ("matmul", "conv"):
             for operand in n.inputs:
-                if store_conv_pads and n.op == "conv" and operand.op == "pad":
+                if store_conv_inputs and n.op == "conv" and operand is n.inputs[0] and inlinable(operand) \
+                        and not is_buffer(operand):
                     stored.add(id(operand))
                     continue
                 while operand.op in MOVEMENT and operand.op != "gather":  # re-indexing is free: store below it

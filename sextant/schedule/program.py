@@ -124,7 +124,7 @@ def finish_kernel(k: Kernel, target: TargetDesc) -> Kernel:
 def schedule(graph: Graph, target: TargetDesc) -> Program:
     if not target.is_gpu:
         graph = explicit_padding(graph)
-    groups = partition(graph, store_conv_pads=not target.is_gpu)
+    groups = partition(graph, store_conv_inputs=not target.is_gpu)
     packed = prepack_weights(graph, groups)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
