@@ -117,3 +117,22 @@ def test_weights_computed_from_an_input_use_the_direct_mapping() -> None:
     torch.testing.assert_close(compiled(x2, w2), DynamicWeight()(x2, w2), atol=1e-5, rtol=1e-4)
     program = compiled.stages["program"]
     assert all(not g.packed for g in program.groups)
+
+
+def test_a_computed_input_is_stored_once_not_recomputed_per_read() -> None:
+    class Head(nn.Module):  # SegFormer's head: upsampled maps concatenated, then a 1×1 conv
+        def __init__(self) -> None:
+            super().__init__()
+            self.fuse = nn.Conv2d(16, 8, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            up = nn.functional.interpolate(x, size=(8, 8), mode="bilinear", align_corners=False)
+            return self.fuse(torch.cat([up, y], dim=1))
+
+    model, x, y = Head().eval(), torch.randn(2, 8, 4, 4), torch.randn(2, 8, 8, 8)
+    compiled = sextant.compile(model, (x, y), target="cpu")
+    program = compiled.stages["program"]
+    assert [program.groups[launch.group].kind for launch in program.launches] == ["elementwise", "conv"]
+    x2, y2 = torch.randn_like(x), torch.randn_like(y)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x2, y2), model(x2, y2), atol=1e-5, rtol=1e-4)
