@@ -17,8 +17,9 @@ CPU kernels compute, not what LLVM finds natural:
   (ATen/native/Math.h), emitted as internal functions.
 
 The semantics are target-independent; the C math functions they build on (``expf``, ``fmodf``,
-...) come from a pluggable :class:`MathLibrary`: :data:`CPU_MATH` (LLVM intrinsics and libm)
-here, libdevice for NVPTX (``sextant.codegen.libdevice``).
+...) come from a pluggable :class:`MathLibrary`: :data:`CPU_MATH` (inline vectorisable exp,
+log, tanh, erf, ... from ``cpu_math``, LLVM intrinsics and libm) here, libdevice for NVPTX
+(``sextant.codegen.libdevice``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import struct
 import numpy as np
 from llvmlite import ir
 
+from sextant.codegen.cpu_math import INLINE_FUNCTIONS, inline_function
 from sextant.codegen.errors import CodegenError
 from sextant.graph.dtypes import DType
 from sextant.graph.ops import BINARY, BINARY_CMP, UNARY, UNARY_FLOAT
@@ -96,9 +98,13 @@ _CPU_INTRINSICS = {
 
 
 class CpuMath(MathLibrary):
-    """The host: LLVM intrinsics (inlined, vectorisable) where LLVM has them, else libm."""
+    """The host: inline vectorisable f32 exp/expm1/log/log1p/tanh/erf (``cpu_math``: libm's and
+    ``llvm.exp``'s calls would keep every loop using them scalar), LLVM intrinsics where LLVM
+    has them, else libm."""
 
     def call(self, m: ScalarMath, name: str, args: list[ir.Value]) -> ir.Value:
+        if name in INLINE_FUNCTIONS:
+            return m.b.call(inline_function(m.module, name), args)
         if name == "fmodf":
             return m.b.frem(*args)
         return m.call(_CPU_INTRINSICS.get(name, name), args[0].type, args)
