@@ -60,22 +60,16 @@ def external_buffers(group: Group, stored: set[int]) -> list[Node]:
     members = {id(m) for m in group.members}
     found: list[Node] = []
     seen: set[int] = set()
-
-    def visit(n: Node) -> None:
+    stack = list(reversed(group.members))  # depth-first, in the order of the members' inputs
+    while stack:
+        n = stack.pop()
         if id(n) in seen:
-            return
+            continue
         seen.add(id(n))
-        if id(n) in members:
-            for i in n.inputs:
-                visit(i)
-        elif is_buffer(n) or id(n) in stored or not inlinable(n):
+        if id(n) not in members and (is_buffer(n) or id(n) in stored or not inlinable(n)):
             found.append(n)
         else:
-            for i in n.inputs:
-                visit(i)
-
-    for m in group.members:
-        visit(m)
+            stack.extend(reversed(n.inputs))
     return found
 
 
