@@ -51,6 +51,7 @@ from sextant.kernel.ir import (
 )
 
 Interval = tuple[int, int]
+_DTYPES = tuple(DType)
 Facts = Mapping[Expr, Interval]
 
 CMP_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
@@ -535,6 +536,10 @@ class Ranges:
 
     def __init__(self, base: Mapping[Expr, Interval]) -> None:
         self.base = dict(base)
+        self._base_vars: dict[str, list[Var]] = {}  # the registers ``base`` bounds, by name
+        for k in self.base:
+            if isinstance(k, Var):
+                self._base_vars.setdefault(k.name, []).append(k)
 
     @classmethod
     def for_kernel(cls, kernel: Kernel) -> Ranges:
@@ -561,13 +566,11 @@ class Ranges:
         else:  # only the registers' own entries can mention them
             for name in names:
                 defs.pop(name, None)
-                for dt in DType:
+                for dt in _DTYPES:
                     facts.pop(Var(name, dt), None)
         for name in names:
-            for dt in DType:
-                k = Var(name, dt)
-                if k in self.base:
-                    facts[k] = self.base[k]
+            for k in self._base_vars.get(name, ()):
+                facts[k] = self.base[k]
         return env
 
     def assign(self, env: Env, var: Var, value: Expr | None, b: Interval | None = None) -> Env:
