@@ -51,7 +51,7 @@ from sextant.kernel.ir import (
 )
 
 Interval = tuple[int, int]
-_DTYPES = tuple(DType)
+_INTLIKE = (DType.i32, DType.i64, DType.bool)  # the types facts are about
 Facts = Mapping[Expr, Interval]
 
 CMP_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
@@ -566,7 +566,7 @@ class Ranges:
         else:  # only the registers' own entries can mention them
             for name in names:
                 defs.pop(name, None)
-                for dt in _DTYPES:
+                for dt in _INTLIKE:
                     facts.pop(Var(name, dt), None)
         for name in names:
             for k in self._base_vars.get(name, ()):

@@ -84,7 +84,7 @@ class _Fusion:
         # members of a contraction/reduction group that all its other members depend on: its
         # anchor, and the anchors of the sibling reductions merged into it
         self.roots: dict[int, list[Node]] = {}
-        self._frontier_memo: dict[int, list[Node]] = {}  # ungrouped node -> a grouped node per group it reads
+        self._frontier_memo: dict[int, list[Node]] = {}  # ungrouped node -> a node per reduction group it reads
         self._depends_memo: dict[int, dict[int, bool]] = {}  # root -> {node: node is or depends on root}
         self._members_reach: dict[tuple[int, int], tuple[int, bool]] = {}  # (group, root) -> (checked, any)
         self._row_memo: dict[tuple[int, int], bool] = {}  # (group anchor, node) -> row-compatible
@@ -177,14 +177,18 @@ class _Fusion:
         self.work.add("fusion: tree cost", visited)
         return cost
 
-    def frontier(self, n: Node) -> list[Node]:
-        """One grouped node per group that ``n`` reads through ungrouped inlined nodes, in
-        depth-first order of the inputs. Memoised per ungrouped node: its ancestors' groups are
-        settled, and merges only make groups coarser, so the first node kept per group at memo
-        time still names each group's first occurrence."""
+    def reduce_frontier(self, n: Node) -> list[Node]:
+        """One grouped node per *reduction* group that ``n`` reads through ungrouped inlined
+        nodes, in depth-first order of the inputs (the order the joins pick targets in).
+
+        Memoised per ungrouped node: its ancestors' groups are settled, and merges only make
+        reduction groups coarser, so the first node kept per group at memo time still names
+        each group's first occurrence. Only reduction groups are kept: a long ungrouped chain
+        (a residual stream between kernels) reads ever more matmul/conv groups, and listing
+        them at every node of the chain would be quadratic."""
         group_of, memo = self.group_of, self._frontier_memo
         if id(n) in group_of:
-            return [n]
+            return [n] if group_of[id(n)].kind == "reduce" else []
         if not inlinable(n):
             return []
         stack = [n]
@@ -202,20 +206,41 @@ class _Fusion:
             seen: set[int] = set()
             for i in x.inputs:
                 for b in [i] if id(i) in group_of else memo.get(id(i), []):
-                    gid = id(group_of[id(b)])
-                    if gid not in seen:
-                        seen.add(gid)
+                    g = group_of[id(b)]
+                    if g.kind == "reduce" and id(g) not in seen:
+                        seen.add(id(g))
                         out.append(b)
             memo[id(x)] = out
             self.work.add("fusion: reachable groups", 1 + len(out))
         return memo[id(n)]
 
-    def reachable_groups(self, n: Node) -> list[Group]:
-        """The groups ``n`` reads through ungrouped inlined nodes (itself if grouped)."""
+    def reachable_reductions(self, *nodes: Node) -> list[Group]:
+        """The reduction groups ``nodes`` read through ungrouped inlined nodes (themselves if
+        grouped), in first-occurrence order."""
         out: dict[int, Group] = {}
-        for b in self.frontier(n):
-            g = self.group_of[id(b)]
-            out.setdefault(id(g), g)
+        for n in nodes:
+            for b in self.reduce_frontier(n):
+                g = self.group_of[id(b)]
+                out.setdefault(id(g), g)
+        return list(out.values())
+
+    def reachable_groups(self, *nodes: Node) -> list[Group]:
+        """Every group ``nodes`` read through ungrouped inlined nodes: a walk of that region,
+        asked only when a join is about to happen (for its cycle check)."""
+        group_of = self.group_of
+        out: dict[int, Group] = {}
+        stack, seen = list(nodes), set()
+        while stack:
+            x = stack.pop()
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            g = group_of.get(id(x))
+            if g is not None:
+                out.setdefault(id(g), g)
+            elif inlinable(x):
+                stack.extend(x.inputs)
+        self.work.add("fusion: reachable groups", len(seen))
         return list(out.values())
 
     def depends(self, x: Node, root: Node) -> bool:
@@ -279,7 +304,8 @@ class _Fusion:
         return False
 
     def depends_on(self, n: Node, g: Group) -> bool:
-        return any(x is g for x in self.reachable_groups(n))
+        """Whether ``n`` reads the reduction group ``g`` through ungrouped inlined nodes."""
+        return any(x is g for x in self.reachable_reductions(n))
 
     def row_compatible(self, n: Node, g: Group, shape: tuple, axes: tuple) -> bool:
         """``n`` (of the full ``shape``) uses group values only elementwise, or through an
@@ -364,12 +390,11 @@ class _Fusion:
         through elementwise ops and row broadcasts (so the group can compute ``n`` after it in
         the same row loop)."""
         shape, axes = n.inputs[0].shape, n.attr("axes")
-        reachable = self.reachable_groups(n.inputs[0])
-        same = [g for g in reachable if g.kind == "reduce" and g.domain == (shape, axes)]
+        same = [g for g in self.reachable_reductions(n.inputs[0]) if g.domain == (shape, axes)]
         if len(same) != 1:
             return None
         found = same[0]
-        others = [g for g in reachable if g is not found]
+        others = [g for g in self.reachable_groups(n.inputs[0]) if g is not found]
         if any(self.group_reaches(h, found) for h in others):  # fusing would make a cycle between kernels
             found.notes.append(f"{n.op} at {n.loc or '?'} depends on the group through another kernel: "
                                f"separate kernel")
@@ -396,11 +421,7 @@ class _Fusion:
                 return
         if contractions or not is_elementwise(n.op):
             return
-        reachable = [g for i in n.inputs for g in self.reachable_groups(i)]
-        reduce_groups: list[Group] = []
-        for g in reachable:
-            if g.kind == "reduce" and all(g is not r for r in reduce_groups):
-                reduce_groups.append(g)
+        reduce_groups = self.reachable_reductions(*n.inputs)
         domains = {(r.domain[0], r.domain[1]) for r in reduce_groups}
         if not reduce_groups or len(domains) != 1:
             return
@@ -408,7 +429,7 @@ class _Fusion:
         if n.shape not in (shape, _row_shape(shape, axes)):
             return
         target = reduce_groups[0]
-        others = [h for h in reachable if all(h is not r for r in reduce_groups)]
+        others = [h for h in self.reachable_groups(*n.inputs) if h.kind != "reduce"]
         if any(self.group_reaches(h, r) for h in others for r in reduce_groups):
             target.notes.append(f"{n.op} at {n.loc or '?'} also depends on the group through another kernel")
             return
