@@ -158,7 +158,9 @@ def efficientnet() -> tuple[nn.Module, tuple]:
     """Depthwise convs, squeeze-and-excitation, swish: a deep, branchy graph."""
     from transformers import EfficientNetConfig, EfficientNetModel
     _seed()
-    cfg = EfficientNetConfig(image_size=64, width_coefficient=0.5, depth_coefficient=0.5)
+    # hidden_dim is the top conv's width, round_filters(1280) at this width: transformers
+    # does not derive it from width_coefficient (its 2560 default breaks the top batch norm)
+    cfg = EfficientNetConfig(image_size=64, width_coefficient=0.5, depth_coefficient=0.5, hidden_dim=640)
     return _Logits(EfficientNetModel(cfg).eval(), "last_hidden_state"), (torch.randn(2, 3, 64, 64),)
 
 

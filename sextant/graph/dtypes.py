@@ -17,6 +17,10 @@ class DType(enum.Enum):
     i64 = "i64"
     bool = "bool"
 
+    # members are singletons: hash by identity in C instead of Enum's Python-level hash of the
+    # name (kernel-IR expressions carry a dtype and are hashed constantly by the simplifier)
+    __hash__ = object.__hash__
+
     @property
     def is_float(self) -> bool:
         return self in (DType.f32, DType.f16, DType.bf16)

@@ -51,6 +51,7 @@ from sextant.kernel.ir import (
 )
 
 Interval = tuple[int, int]
+_INTLIKE = (DType.i32, DType.i64, DType.bool)  # the types facts are about
 Facts = Mapping[Expr, Interval]
 
 CMP_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
@@ -166,13 +167,43 @@ def assigned_names(stmts: Iterable[Stmt]) -> set[str]:
 @dataclass
 class Env:
     """Facts valid at one program point, plus ``defs``: registers whose current value is still
-    the load-free expression last assigned to them (so refining the register refines that)."""
+    the load-free expression last assigned to them (so refining the register refines that).
+
+    ``mentioned`` is a superset of the registers named inside a fact that is not about a lone
+    register, or inside a def's value: forgetting a register outside it (the first assignment
+    of a fresh register, the common case) touches only that register's own entries instead of
+    scanning every fact, which made range analysis quadratic in a kernel's length."""
 
     facts: dict[Expr, Interval] = field(default_factory=dict)
     defs: dict[str, Expr] = field(default_factory=dict)
+    mentioned: set[str] | None = field(default=None, repr=False, compare=False)  # None: not computed yet
+    undo: list[tuple[Expr, Interval | None]] | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> Env:
-        return Env(dict(self.facts), dict(self.defs))
+        return Env(dict(self.facts), dict(self.defs), None if self.mentioned is None else set(self.mentioned))
+
+    def names(self) -> set[str]:
+        if self.mentioned is None:
+            self.mentioned = set()
+            for k in self.facts:
+                if not isinstance(k, Var | Special):
+                    self.mentioned |= free_names(k)
+            for v in self.defs.values():
+                self.mentioned |= free_names(v)
+        return self.mentioned
+
+    def set(self, key: Expr, value: Interval) -> None:
+        """Record a fact (logged for :func:`_assumed`'s undo when a trial is open)."""
+        if self.undo is not None:
+            self.undo.append((key, self.facts.get(key)))
+        self.facts[key] = value
+        if self.mentioned is not None and not isinstance(key, Var | Special):
+            self.mentioned |= free_names(key)
+
+    def define(self, name: str, value: Expr) -> None:
+        self.defs[name] = value
+        if self.mentioned is not None:
+            self.mentioned |= free_names(value)
 
 
 def _facts(env: Env | Facts | None) -> Facts:
@@ -244,9 +275,9 @@ def _select_bounds(e: Select, env: Env) -> Interval | None:
     # each branch's value only matters where the condition selects it
     parts = []
     for truth, branch in ((True, e.a), (False, e.b)):
-        sub = refine(env, e.cond, truth)
-        if sub is not None:
-            parts.append(_operand(branch, sub))
+        reachable, part = _assumed(env, e.cond, truth, lambda branch=branch: _operand(branch, env))
+        if reachable:
+            parts.append(part)
     if not parts or any(p is None for p in parts):
         return None
     return (min(p[0] for p in parts), max(p[1] for p in parts))
@@ -352,6 +383,25 @@ def refine(env: Env | Facts, cond: Expr, truth: bool = True) -> Env | None:
     return out if _assume(out, cond, truth, 0) else None
 
 
+def _assumed(env: Env, cond: Expr, truth: bool, fn: Callable[[], Interval | None]) -> tuple[bool, Interval | None]:
+    """``fn()`` evaluated with ``cond == truth`` assumed: ``(False, None)`` if that is impossible.
+
+    Like :func:`refine` without copying the facts: the assumption is recorded in ``env`` and
+    undone afterwards, so bounding a ``Select`` costs what its condition implies, not the
+    size of the environment."""
+    outer, env.undo = env.undo, []
+    try:
+        ok = _assume(env, cond, truth, 0)
+        return (True, fn()) if ok else (False, None)
+    finally:
+        for key, old in reversed(env.undo):
+            if old is None:
+                env.facts.pop(key, None)
+            else:
+                env.facts[key] = old
+        env.undo = outer
+
+
 def _assume(env: Env, c: Expr, truth: bool, depth: int) -> bool:
     b = bounds(c, env)
     if b == (int(not truth), int(not truth)):
@@ -359,7 +409,7 @@ def _assume(env: Env, c: Expr, truth: bool, depth: int) -> bool:
     if depth > _MAX_DEPTH:
         return True
     if not contains_load(c) and not isinstance(c, Const):
-        env.facts[c] = (int(truth), int(truth))
+        env.set(c, (int(truth), int(truth)))
     if isinstance(c, Var) and c.name in env.defs:
         return _assume(env, env.defs[c.name], truth, depth + 1)
     if isinstance(c, Unary) and c.op in ("logical_not", "bitwise_not") and c.dtype == DType.bool:
@@ -403,7 +453,7 @@ def _constrain(env: Env, e: Expr, lo: int, hi: int, depth: int) -> bool:
     if (nlo, nhi) == cur or contains_load(e) or depth > _MAX_DEPTH:
         return True
     exact = isinstance(e, Var | Special) or _compute(e, env) is not None  # the node itself never wraps
-    env.facts[e] = (nlo, nhi)
+    env.set(e, (nlo, nhi))
     depth += 1
     if isinstance(e, Var) and e.name in env.defs:
         return _constrain(env, env.defs[e.name], nlo, nhi, depth)
@@ -486,6 +536,10 @@ class Ranges:
 
     def __init__(self, base: Mapping[Expr, Interval]) -> None:
         self.base = dict(base)
+        self._base_vars: dict[str, list[Var]] = {}  # the registers ``base`` bounds, by name
+        for k in self.base:
+            if isinstance(k, Var):
+                self._base_vars.setdefault(k.name, []).append(k)
 
     @classmethod
     def for_kernel(cls, kernel: Kernel) -> Ranges:
@@ -496,18 +550,32 @@ class Ranges:
         return Env(dict(self.base))
 
     def forget(self, env: Env, names: set[str]) -> Env:
-        """Drop what is known about values that read the registers ``names``."""
+        """Drop what is known about values that read the registers ``names``; updates ``env``
+        in place and returns it (callers that need the old facts copy first)."""
         if not names:
             return env
-        out = Env({k: v for k, v in env.facts.items() if not (free_names(k) & names)},
-                  {k: v for k, v in env.defs.items() if k not in names and not (free_names(v) & names)})
-        for k, v in self.base.items():
-            if isinstance(k, Var) and k.name in names:
-                out.facts[k] = v
-        return out
+        facts, defs = env.facts, env.defs
+        if names & env.names():  # some fact or def reads them: scan (and recompute ``mentioned``)
+            kept = {k: v for k, v in facts.items() if not (free_names(k) & names)}
+            facts.clear()
+            facts.update(kept)
+            kept_defs = {k: v for k, v in defs.items() if k not in names and not (free_names(v) & names)}
+            defs.clear()
+            defs.update(kept_defs)
+            env.mentioned = None
+        else:  # only the registers' own entries can mention them
+            for name in names:
+                defs.pop(name, None)
+                for dt in _INTLIKE:
+                    facts.pop(Var(name, dt), None)
+        for name in names:
+            for k in self._base_vars.get(name, ()):
+                facts[k] = self.base[k]
+        return env
 
     def assign(self, env: Env, var: Var, value: Expr | None, b: Interval | None = None) -> Env:
-        """The facts after ``var = value`` (``value=None``: an unknown value bounded by ``b``)."""
+        """The facts after ``var = value`` (``value=None``: an unknown value bounded by ``b``);
+        updates ``env`` in place and returns it."""
         if value is not None:
             b = bounds(value, env)
         out = self.forget(env, {var.name})
@@ -515,7 +583,7 @@ class Ranges:
         if b is not None:
             out.facts[var] = b
         if value is not None and not contains_load(value) and var.name not in free_names(value):
-            out.defs[var.name] = value
+            out.define(var.name, value)
         return out
 
     def enter_loop(self, env: Env, loop: For) -> Env | None:
@@ -523,12 +591,13 @@ class Ranges:
         r = loop_range(loop, env)
         if r is False:
             return None
-        out = self.forget(env, assigned_names(loop.body) | {loop.var.name})
+        out = self.forget(env.copy(), assigned_names(loop.body) | {loop.var.name})
         if r is not None:
             out.facts[loop.var] = r  # type: ignore[assignment]
         return out
 
     def leave_loop(self, env: Env, loop: For) -> Env:
+        """The facts after the loop (``env``, the facts before it, is updated in place)."""
         return self.forget(env, assigned_names(loop.body) | {loop.var.name})
 
     def join(self, a: Env | None, b: Env | None) -> Env | None:
@@ -542,7 +611,8 @@ class Ranges:
     def walk(self, body: Iterable[Stmt], env: Env | None,
              visit: Callable[[Stmt, Env], None] | None = None) -> Env | None:
         """Run ``visit(stmt, facts before stmt)`` over ``body`` (nested statements included,
-        unreachable ones skipped); returns the facts after ``body``."""
+        unreachable ones skipped); returns the facts after ``body``. The facts are updated in
+        place as the walk goes on: a visitor that keeps them must copy them."""
         for s in body:
             if env is None:
                 return None

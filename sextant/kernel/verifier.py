@@ -147,7 +147,8 @@ class _Verifier:
     # -- statements ------------------------------------------------------------------------
     def block(self, stmts: tuple[Stmt, ...], defined: set[str], loops: tuple[str, ...],
               control: tuple[_Control, ...]) -> set[str]:
-        """Check ``stmts``; returns the registers surely assigned after them."""
+        """Check ``stmts``; returns the registers surely assigned after them (``defined``, the
+        registers assigned before, is updated in place: callers pass a set of their own)."""
         if self.div is None:
             self.div = _Divergence(self.k)
         for s in stmts:
@@ -165,7 +166,8 @@ class _Verifier:
                 self.fail(s, f"assigns a {s.value.dtype.value} value to {s.var.dtype.value} register {s.var.name}")
             if isinstance(s, WarpReduce):
                 self.warp_reduce(s, control)
-            return defined | {s.var.name}
+            defined.add(s.var.name)  # block() owns the set: no copy per statement
+            return defined
         if isinstance(s, Store):
             self.expr(s.index, s, defined)
             self.expr(s.value, s, defined)
@@ -208,8 +210,8 @@ class _Verifier:
             self.fail(s, f"condition is {s.cond.dtype.value}, not bool")
         level, reason = self.div.level_of(s.cond)
         ctl = control + (_Control(stmt_header(s), level, f"has a condition that {reason}"),)
-        then = self.block(s.then, defined, loops, ctl)
-        orelse = self.block(s.orelse, defined, loops, ctl)
+        then = self.block(s.then, set(defined), loops, ctl)
+        orelse = self.block(s.orelse, set(defined), loops, ctl)
         if isinstance(s.cond, Const):
             return then if s.cond.value else orelse
         return then & orelse

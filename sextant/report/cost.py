@@ -88,18 +88,39 @@ def split_args(program: Program, launch: Launch) -> tuple[tuple[int, ...], tuple
 
 
 def _needed_elements(v: Node, users: dict[int, list[Node]]) -> int:
-    """How many elements of ``v`` the launch must read, given how its users (inside the launch) index it."""
-    total = 0
-    for u in users.get(id(v), []):
-        if u.op in _SELECTING and u.inputs[0] is v and not (u.op == "gather" and u.inputs[1] is v):
-            total += min(u.type.numel, _needed_elements(u, users) or u.type.numel)
-        elif u.op in _SAME_ELEMENTS or u.op == "expand":
-            total += _needed_elements(u, users) or u.type.numel
-        else:
-            return v.type.numel
-        if total >= v.type.numel:
-            return v.type.numel
-    return total
+    """How many elements of ``v`` the launch must read, given how its users (inside the launch)
+    index it. Each node's answer is computed once, users first, on an explicit stack: chains and
+    diamonds of re-indexing ops cost their size, not their depth in frames or their path count."""
+    memo: dict[int, int] = {}
+
+    def through(u: Node, x: Node) -> bool:
+        """Whether ``u`` passes on which elements of its operand ``x`` it needs."""
+        selecting = u.op in _SELECTING and u.inputs[0] is x and not (u.op == "gather" and u.inputs[1] is x)
+        return selecting or u.op in _SAME_ELEMENTS or u.op == "expand"
+
+    stack = [v]
+    while stack:
+        x = stack[-1]
+        if id(x) in memo:
+            stack.pop()
+            continue
+        pending = [u for u in users.get(id(x), []) if through(u, x) and id(u) not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        total = 0
+        for u in users.get(id(x), []):
+            if not through(u, x):
+                total = x.type.numel
+                break
+            total += min(u.type.numel, memo[id(u)] or u.type.numel) if u.op in _SELECTING and u.inputs[0] is x \
+                else memo[id(u)] or u.type.numel
+            if total >= x.type.numel:
+                total = x.type.numel
+                break
+        memo[id(x)] = total
+    return memo[id(v)]
 
 
 def launch_cost(program: Program, index: int) -> LaunchCost:

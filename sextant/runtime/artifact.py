@@ -311,11 +311,17 @@ def _is_movement_of_param(n: Node) -> bool:
 
 
 def _derive(n: Node, graph: Graph) -> torch.Tensor:
-    """A prepacked weight rebuilt from its parameter: pure data movement, so bit for bit the same."""
-    if n.op == "param":
-        return graph.params[n.attr("name")]
+    """A prepacked weight rebuilt from its parameter: pure data movement, so bit for bit the same.
+    The chain of movement ops is applied bottom up in a loop (no recursion per op)."""
+    chain = []
+    while n.op != "param":
+        chain.append(n)
+        n = n.inputs[0]
+    value = graph.params[n.attr("name")]
     with torch.no_grad():
-        return eval_node(n, [_derive(n.inputs[0], graph)], graph).contiguous()
+        for m in reversed(chain):
+            value = eval_node(m, [value], graph).contiguous()
+    return value
 
 
 def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -284,7 +284,7 @@ def _reduce_row(e: ValueEmitter, rs: _Rows, row_idx: Index, lane: Expr, lanes: i
         k += 1
         e.regs[id(m)] = result if acc_t == m.dtype else e.bind(Cast(result, m.dtype))
         for v in rs.group.members:
-            if v.op != "reduce" and v.shape == rs.row_shape and regs_ready(v, e.regs, rs.members):
+            if v.op != "reduce" and v.shape == rs.row_shape and regs_ready(v, e.regs, rs.members, e.buffers):
                 e.value(v, at_row)
 
 

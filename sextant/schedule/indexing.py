@@ -11,7 +11,7 @@ the current row, a matmul accumulator) are looked up in ``regs``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 
 from sextant.graph.dtypes import DType
@@ -20,6 +20,7 @@ from sextant.graph.ops import BINARY, UNARY
 from sextant.kernel.ir import INDEX, Assign, Binary, Cast, Const, Expr, Load, Select, Stmt, Unary, Var
 
 Index = tuple[Expr, ...]
+Operand = tuple[Node, Index]  # what a computation asks for: a graph node at an index
 
 
 def c(v: int) -> Const:
@@ -195,17 +196,39 @@ class ValueEmitter:
 
     # -- values ------------------------------------------------------------------------------
     def value(self, n: Node, idx: Index) -> Expr:
-        key = (id(n), idx)
+        """``n`` at ``idx``, computed once per scope.
+
+        Iterative, so a chain of thousands of inlined ops does not hit Python's recursion limit:
+        :meth:`_compute` is a generator that yields each ``(operand, index)`` it needs and is
+        sent the operand's value, and this loop keeps the pending computations on a stack. The
+        statements come out in the order the recursive evaluation would emit them."""
         memo = self._memo[-1]
+        key = (id(n), idx)
         if key in memo:
             return memo[key]
-        e = self._compute(n, idx)
-        if not isinstance(e, (Const, Var)):
-            e = self.bind(e)
-        memo[key] = e
-        return e
+        stack: list[tuple[tuple, Generator[Operand, Expr, Expr]]] = [(key, self._compute(n, idx))]
+        sent: Expr | None = None
+        while stack:
+            key, gen = stack[-1]
+            try:
+                operand, at = gen.send(sent)  # type: ignore[arg-type]
+            except StopIteration as done:
+                stack.pop()
+                e = done.value
+                if not isinstance(e, (Const, Var)):
+                    e = self.bind(e)
+                memo[key] = sent = e
+                continue
+            sub = (id(operand), at)
+            if sub in memo:
+                sent = memo[sub]
+            else:
+                stack.append((sub, self._compute(operand, at)))
+                sent = None
+        assert sent is not None
+        return sent
 
-    def _compute(self, n: Node, idx: Index) -> Expr:
+    def _compute(self, n: Node, idx: Index) -> Generator[Operand, Expr, Expr]:
         if id(n) in self.regs:
             return self.regs[id(n)]
         if id(n) in self.buffers:
@@ -216,34 +239,37 @@ class ValueEmitter:
         if op == "iota":
             return Cast(idx[n.attr("axis")], dt) if dt != INDEX else idx[n.attr("axis")]
         if op in UNARY:
-            return Unary(op, self.value(n.inputs[0], idx), dt)
+            return Unary(op, (yield n.inputs[0], idx), dt)
         if op in BINARY:
-            return Binary(op, self.value(n.inputs[0], idx), self.value(n.inputs[1], idx), dt)
+            a = yield n.inputs[0], idx
+            return Binary(op, a, (yield n.inputs[1], idx), dt)
         if op == "where":
-            return Select(*(self.value(i, idx) for i in n.inputs), dt)
+            operands = []
+            for i in n.inputs:
+                operands.append((yield i, idx))
+            return Select(*operands, dt)
         if op == "cast":
-            return Cast(self.value(n.inputs[0], idx), dt)
+            return Cast((yield n.inputs[0], idx), dt)
         src = n.inputs[0] if n.inputs else None
         if op == "reshape":
-            return self.value(src, reshape_index(idx, n.shape, src.shape))
+            return (yield src, reshape_index(idx, n.shape, src.shape))
         if op == "permute":
             out: list[Expr] = [c(0)] * len(idx)
             for i, p in enumerate(n.attr("perm")):
                 out[p] = idx[i]
-            return self.value(src, tuple(out))
+            return (yield src, tuple(out))
         if op == "expand":
-            return self.value(src, tuple(c(0) if s == 1 and d != 1 else i
-                                         for i, s, d in zip(idx, src.shape, n.shape)))
+            return (yield src, tuple(c(0) if s == 1 and d != 1 else i for i, s, d in zip(idx, src.shape, n.shape)))
         if op == "slice":
-            return self.value(src, tuple(iadd(c(st), imul(i, sp)) if sz != 1 or st else c(st)
-                                         for i, st, sp, sz in zip(idx, n.attr("start"), n.attr("step"),
-                                                                  n.attr("size"))))
+            return (yield src, tuple(iadd(c(st), imul(i, sp)) if sz != 1 or st else c(st)
+                                     for i, st, sp, sz in zip(idx, n.attr("start"), n.attr("step"),
+                                                              n.attr("size"))))
         if op == "pad":
-            return self._pad(n, idx)
+            return (yield from self._pad(n, idx))
         if op == "concat":
-            return self._concat(n, idx)
+            return (yield from self._concat(n, idx))
         if op == "gather":
-            return self._gather(n, idx)
+            return (yield from self._gather(n, idx))
         raise NotImplementedError(f"{op} cannot be inlined into a kernel (it must be stored first)")
 
     def _in_range(self, i: Expr, lo: int, hi: int) -> Expr:
@@ -257,7 +283,7 @@ class ValueEmitter:
             out = cond if isinstance(out, Const) else Binary("bitwise_and", out, cond, DType.bool)
         return out
 
-    def _pad(self, n: Node, idx: Index) -> Expr:
+    def _pad(self, n: Node, idx: Index) -> Generator[Operand, Expr, Expr]:
         src = n.inputs[0]
         inb: Expr = Const(True, DType.bool)
         inner = []
@@ -269,12 +295,12 @@ class ValueEmitter:
                 shifted = self.bind(Select(cond, shifted, c(0), INDEX), "i")
                 inb = cond if isinstance(inb, Const) else self.bind(Binary("bitwise_and", inb, cond, DType.bool))
             inner.append(shifted)
-        v = self.value(src, tuple(inner))
+        v = yield src, tuple(inner)
         if isinstance(inb, Const):
             return v
         return Select(inb, v, Const(n.attr("value"), n.dtype), n.dtype)
 
-    def _concat(self, n: Node, idx: Index) -> Expr:
+    def _concat(self, n: Node, idx: Index) -> Generator[Operand, Expr, Expr]:
         axis = n.attr("axis")
         offsets, off = [], 0
         for part in n.inputs:
@@ -286,20 +312,20 @@ class ValueEmitter:
             local = iadd(i, c(-start))
             if result is None:  # the last part: everything past the earlier parts
                 clamped = self.bind(Binary("maximum", local, c(0), INDEX), "i")
-                result = self.value(part, idx[:axis] + (clamped,) + idx[axis + 1:])
+                result = yield part, idx[:axis] + (clamped,) + idx[axis + 1:]
                 continue
             inside = self.bind(Binary("lt", i, c(start + part.shape[axis]), DType.bool), "inb")
             clamped = self.bind(Select(inside, Binary("maximum", local, c(0), INDEX), c(0), INDEX), "i")
-            v = self.value(part, idx[:axis] + (clamped,) + idx[axis + 1:])
+            v = yield part, idx[:axis] + (clamped,) + idx[axis + 1:]
             result = self.bind(Select(inside, v, result, n.dtype))
         assert result is not None
         return result
 
-    def _gather(self, n: Node, idx: Index) -> Expr:
+    def _gather(self, n: Node, idx: Index) -> Generator[Operand, Expr, Expr]:
         src, index = n.inputs
         axis = n.attr("axis")
-        raw = self.value(index, idx)
+        raw = yield index, idx
         k = raw if index.dtype == INDEX else Cast(raw, INDEX)
         # out-of-range indices are clamped: a kernel cannot raise, and must not read out of bounds
         k = self.bind(Binary("minimum", Binary("maximum", k, c(0), INDEX), c(src.shape[axis] - 1), INDEX), "i")
-        return self.value(src, idx[:axis] + (k,) + idx[axis + 1:])
+        return (yield src, idx[:axis] + (k,) + idx[axis + 1:])

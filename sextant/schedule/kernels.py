@@ -8,7 +8,7 @@ of rows with plain loops, so LLVM can vectorise the innermost one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
@@ -59,22 +59,17 @@ def external_buffers(group: Group, stored: set[int]) -> list[Node]:
     members = {id(m) for m in group.members}
     found: list[Node] = []
     seen: set[int] = set()
-
-    def visit(n: Node) -> None:
+    stack = list(reversed(group.members))  # depth-first, in the order of the members' inputs
+    while stack:
+        n = stack.pop()
         if id(n) in seen:
-            return
+            continue
         seen.add(id(n))
-        if id(n) in members:
-            for i in n.inputs:
-                visit(group.packed.get(id(i), i))
-        elif is_buffer(n) or id(n) in stored or not inlinable(n):
+        if id(n) not in members and (is_buffer(n) or id(n) in stored or not inlinable(n)):
             found.append(n)
-        else:
-            for i in n.inputs:
-                visit(i)
-
-    for m in group.members:
-        visit(m)
+        else:  # a member reads compile-time layouts (Group.packed) instead of the operands they replace
+            ins = [group.packed.get(id(i), i) for i in n.inputs] if id(n) in members else n.inputs
+            stack.extend(reversed(ins))
     return found
 
 
@@ -196,7 +191,7 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
             result = acc if acc_t == m.dtype else e.bind(Cast(acc, m.dtype))
             e.regs[id(m)] = result
             for v in group.members:  # row values computable now: once per row, not per element
-                if v.op != "reduce" and v.shape == row_shape and regs_ready(v, e.regs, members):
+                if v.op != "reduce" and v.shape == row_shape and regs_ready(v, e.regs, members, e.buffers):
                     e.value(v, at_row)
         for k, o in enumerate(group.outputs):
             if o.shape == row_shape:
@@ -252,11 +247,27 @@ def _lane_split(e: ValueEmitter, buf: str, lanes: int, n_red: int, acc: Var, fn:
         _loop(e, n_red, lambda q: e.emit(Assign(acc, Binary(op, acc, term(q), acc_t))), "q", start=c(main))
 
 
-def regs_ready(n: Node, regs: dict, members: set[int]) -> bool:
-    """Whether every reduction of the group that ``n`` depends on has its register set."""
-    if n.op == "reduce" and id(n) in members:
-        return id(n) in regs
-    return all(regs_ready(i, regs, members) for i in n.inputs)
+def regs_ready(n: Node, regs: dict, members: set[int], loaded: Container[int] = ()) -> bool:
+    """Whether every reduction of the group that ``n`` depends on has its register set.
+
+    An iterative walk that visits each node once (the recursion it replaces was exponential on
+    diamond-shaped graphs) and stops at the values the kernel loads (``loaded``: a kernel's
+    buffers never depend on its own reductions) and at other kernels' anchors."""
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if id(x) in members:
+            if x.op == "reduce":
+                if id(x) not in regs:
+                    return False
+                continue
+        elif id(x) in loaded or not inlinable(x):
+            continue
+        stack.extend(x.inputs)
+    return True
 
 
 # -- matmul ------------------------------------------------------------------------------------

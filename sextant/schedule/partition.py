@@ -11,14 +11,21 @@ kernel that consumes them (movement ops become index arithmetic). Kernels are an
   kernels whose recomputation would be costly) that no anchor absorbed: an elementwise group.
 
 Every decision not to fuse is recorded with its reason, for the schedule dump.
+
+Compile time stays near-linear in the graph (docs/scheduling.md, "Linear-time fusion"): every
+walk uses an explicit stack, and the questions asked once per node are memoised — the groups
+an inlined value reads, whether a node depends on a group, whether a value is row-compatible
+with a reduction group. Walks report the nodes they visit to a :class:`WorkCounter`.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import MOVEMENT, is_elementwise
+from sextant.work import WorkCounter
 
 INLINE_OPS_LIMIT = 24  # a shared elementwise tree larger than this is stored, not recomputed
 PROLOGUE_OPS_LIMIT = 2  # a matmul/conv operand computed with more ops than this is stored first
@@ -32,7 +39,7 @@ class Group:
     outputs: list[Node] = field(default_factory=list)  # members stored to memory
     notes: list[str] = field(default_factory=list)  # why fusions were refused
     # operands the kernel reads in a layout made at compile time (id of the operand -> the node
-    # computing that layout from the weights), e.g. a CPU convolution's [G, K, Cout] weights
+    # computing that layout from the weights), e.g. a CPU convolution's [G, strips, K, nr] weights
     packed: dict[int, Node] = field(default_factory=dict)
 
     @property
@@ -50,277 +57,487 @@ def is_buffer(n: Node) -> bool:
     return n.op in ("input", "param")
 
 
-def _tree_cost(n: Node, stored: set[int], seen: set[int] | None = None) -> int:
-    """Ops recomputed when ``n`` is inlined (stopping at stored values)."""
-    seen = set() if seen is None else seen
-    if id(n) in seen or id(n) in stored or is_buffer(n) or not inlinable(n):
-        return 0
-    seen.add(id(n))
-    own = 0 if n.op in MOVEMENT or n.op in ("full", "iota") else 1
-    return own + sum(_tree_cost(i, stored, seen) for i in n.inputs)
+def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False) -> list[Group]:
+    """The fused groups of ``graph`` in a valid launch order; ``work`` counts the nodes the
+    fusion walks visited.
+
+    ``store_conv_inputs``: a convolution's input is stored rather than inlined, whatever computes
+    it — zero padding, a concat, a resize, a cheap activation (the CPU reads each input element
+    Cout·kernel / vector times, and its implicit GEMM wants one add per read; the GPU stages its
+    tiles through shared memory and computes them there once)."""
+    fusion = _Fusion(graph, work if work is not None else WorkCounter())
+    fusion.store_conv_inputs = store_conv_inputs
+    return fusion.run()
+
+
+def _row_shape(shape: tuple, axes: tuple) -> tuple:
+    return tuple(1 if i in axes else d for i, d in enumerate(shape))
+
+
+class _Fusion:
+    """The state of one partition: groups formed so far, and the memos of its walks.
+
+    Nodes are visited in topological order, and a node's group is settled when it is visited
+    (later groups only merge existing ones), so what a walk learns about nodes already visited
+    stays true — except across a merge of reduction groups, which clears the one memo it
+    affects (row compatibility)."""
+
+    def __init__(self, graph: Graph, work: WorkCounter) -> None:
+        self.store_conv_inputs = False
+        self.graph = graph
+        self.work = work
+        self.pos = {id(n): i for i, n in enumerate(graph.nodes)}
+        self.users = graph.users()
+        self.outputs = {id(o) for o in graph.outputs}
+        self.stored: set[int] = set()  # nodes that get a buffer written by some kernel
+        self.group_of: dict[int, Group] = {}
+        self.groups: dict[int, Group] = {}  # id -> group, in creation order
+        # members of a contraction/reduction group that all its other members depend on: its
+        # anchor, and the anchors of the sibling reductions merged into it
+        self.roots: dict[int, list[Node]] = {}
+        self._frontier_memo: dict[int, list[Node]] = {}  # ungrouped node -> a node per reduction group it reads
+        self._depends_memo: dict[int, dict[int, bool]] = {}  # root -> {node: node is or depends on root}
+        self._members_reach: dict[tuple[int, int], tuple[int, bool]] = {}  # (group, root) -> (checked, any)
+        self._row_memo: dict[tuple[int, int], bool] = {}  # (group anchor, node) -> row-compatible
+        self._readers: dict[int, frozenset] = {}  # ungrouped node -> up to two kernels reading it
+
+    # -- driver ----------------------------------------------------------------------------
+    def run(self) -> list[Group]:
+        graph, stored, group_of = self.graph, self.stored, self.group_of
+        self.work.add("fusion: nodes", len(graph.nodes))
+        # Operands of matmul/conv that carry arithmetic are stored: inlined, they would be
+        # recomputed for every multiply-add of the contraction.
+        for n in graph.nodes:
+            if n.op in ("matmul", "conv"):
+                for operand in n.inputs:
+                    if self.store_conv_inputs and n.op == "conv" and operand is n.inputs[0] \
+                            and inlinable(operand) and not is_buffer(operand):
+                        stored.add(id(operand))
+                        continue
+                    while operand.op in MOVEMENT and operand.op != "gather":  # re-indexing is free: store below it
+                        operand = operand.inputs[0]
+                    if (not is_buffer(operand) and inlinable(operand)
+                            and self.tree_cost(operand, PROLOGUE_OPS_LIMIT) > PROLOGUE_OPS_LIMIT):
+                        stored.add(id(operand))
+
+        for n in graph.nodes:
+            if is_buffer(n) or id(n) in group_of:
+                continue
+            if n.op == "reduce":
+                g = self.join_reduce_group(n) or self.new_group("reduce", n)
+                group_of[id(n)] = g
+                if n is not g.anchor:
+                    g.members.append(n)
+            elif n.op in ("matmul", "conv"):
+                self.new_group(n.op, n)
+            elif inlinable(n):
+                self.maybe_join_epilogue(n)
+
+        # Decide which values are stored: outputs of the graph, anchors used outside their group,
+        # elementwise values shared by several kernels (when costly to recompute).
+        users = self.users
+        for n in graph.nodes:
+            if is_buffer(n):
+                continue
+            g = group_of.get(id(n))
+            if id(n) in self.outputs or (g is not None and self.used_outside(n, g)):
+                stored.add(id(n))
+            elif g is None and inlinable(n):
+                consumers = {id(group_of.get(id(u))) for u in users[n]}
+                if (len(users[n]) > 1 and len(consumers) > 1
+                        and self.tree_cost(n, INLINE_OPS_LIMIT) > INLINE_OPS_LIMIT):
+                    stored.add(id(n))
+            elif g is None:
+                stored.add(id(n))
+
+        # Stored nodes that no group computes become elementwise groups.
+        for n in graph.nodes:
+            if id(n) in stored and id(n) not in group_of and not is_buffer(n):
+                self.new_group("elementwise", n)
+        groups = list(self.groups.values())
+        _drop_stored_reshapes(groups, stored, self.outputs)
+        pos = self.pos
+        for g in groups:
+            g.members.sort(key=lambda m: pos[id(m)])
+            g.outputs = [m for m in g.members if id(m) in stored]
+        groups.sort(key=lambda g: pos[id(g.members[-1])])
+        return self.dependency_order(groups)
+
+    def new_group(self, kind: str, anchor: Node) -> Group:
+        g = Group(kind, anchor, [anchor])
+        self.group_of[id(anchor)] = g
+        self.groups[id(g)] = g
+        self.roots[id(g)] = [anchor]
+        return g
+
+    def add(self, g: Group, n: Node) -> None:
+        g.members.append(n)
+        self.group_of[id(n)] = g
+
+    # -- walks -------------------------------------------------------------------------------
+    def tree_cost(self, n: Node, limit: int) -> int:
+        """Ops recomputed when ``n`` is inlined (stopping at stored values), counted up to
+        ``limit + 1``: callers compare with ``limit``, and the cap bounds the walk."""
+        stored, cost, visited = self.stored, 0, 0
+        stack, seen = [n], set()
+        while stack and cost <= limit:
+            x = stack.pop()
+            if id(x) in seen or id(x) in stored or is_buffer(x) or not inlinable(x):
+                continue
+            seen.add(id(x))
+            visited += 1
+            if x.op not in MOVEMENT and x.op not in ("full", "iota"):
+                cost += 1
+            stack.extend(reversed(x.inputs))
+        self.work.add("fusion: tree cost", visited)
+        return cost
+
+    def reduce_frontier(self, n: Node) -> list[Node]:
+        """One grouped node per *reduction* group that ``n`` reads through ungrouped inlined
+        nodes, in depth-first order of the inputs (the order the joins pick targets in).
+
+        Memoised per ungrouped node: its ancestors' groups are settled, and merges only make
+        reduction groups coarser, so the first node kept per group at memo time still names
+        each group's first occurrence. Only reduction groups are kept: a long ungrouped chain
+        (a residual stream between kernels) reads ever more matmul/conv groups, and listing
+        them at every node of the chain would be quadratic."""
+        group_of, memo = self.group_of, self._frontier_memo
+        if id(n) in group_of:
+            return [n] if group_of[id(n)].kind == "reduce" else []
+        if not inlinable(n):
+            return []
+        stack = [n]
+        while stack:
+            x = stack[-1]
+            if id(x) in memo:
+                stack.pop()
+                continue
+            pending = [i for i in x.inputs if id(i) not in memo and id(i) not in group_of and inlinable(i)]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            out: list[Node] = []
+            seen: set[int] = set()
+            for i in x.inputs:
+                for b in [i] if id(i) in group_of else memo.get(id(i), []):
+                    g = group_of[id(b)]
+                    if g.kind == "reduce" and id(g) not in seen:
+                        seen.add(id(g))
+                        out.append(b)
+            memo[id(x)] = out
+            self.work.add("fusion: reachable groups", 1 + len(out))
+        return memo[id(n)]
+
+    def reachable_reductions(self, *nodes: Node) -> list[Group]:
+        """The reduction groups ``nodes`` read through ungrouped inlined nodes (themselves if
+        grouped), in first-occurrence order."""
+        out: dict[int, Group] = {}
+        for n in nodes:
+            for b in self.reduce_frontier(n):
+                g = self.group_of[id(b)]
+                out.setdefault(id(g), g)
+        return list(out.values())
+
+    def reachable_groups(self, *nodes: Node) -> list[Group]:
+        """Every group ``nodes`` read through ungrouped inlined nodes: a walk of that region,
+        asked only when a join is about to happen (for its cycle check)."""
+        group_of = self.group_of
+        out: dict[int, Group] = {}
+        stack, seen = list(nodes), set()
+        while stack:
+            x = stack.pop()
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            g = group_of.get(id(x))
+            if g is not None:
+                out.setdefault(id(g), g)
+            elif inlinable(x):
+                stack.extend(x.inputs)
+        self.work.add("fusion: reachable groups", len(seen))
+        return list(out.values())
+
+    def depends(self, x: Node, root: Node) -> bool:
+        """Whether ``x`` is ``root`` or depends on it through any path (kernels included).
+
+        The walk skips nodes placed before ``root`` in the graph (they cannot depend on it)
+        and is memoised per root: the answer is a fact about the graph, which never changes."""
+        memo = self._depends_memo.setdefault(id(root), {})
+        lo, pos = self.pos[id(root)], self.pos
+
+        def known(y: Node) -> bool | None:
+            if y is root:
+                return True
+            if pos[id(y)] < lo:
+                return False
+            return memo.get(id(y))
+
+        k = known(x)
+        if k is not None:
+            return k
+        stack: list[tuple[Node, int]] = [(x, 0)]  # the current path, with the next input to try
+        visited = 0
+        while stack:
+            y, i = stack[-1]
+            if i == len(y.inputs):
+                memo[id(y)] = False
+                stack.pop()
+                continue
+            stack[-1] = (y, i + 1)
+            child = y.inputs[i]
+            k = known(child)
+            if k is None:
+                visited += 1
+                stack.append((child, 0))
+            elif k:
+                for on_path, _ in stack:  # every node on the path reaches root
+                    memo[id(on_path)] = True
+                self.work.add("fusion: reaches", visited + 1)
+                return True
+        self.work.add("fusion: reaches", visited + 1)
+        return False
+
+    def reaches(self, n: Node, g: Group) -> bool:
+        """Whether ``n`` depends on (or is) any member of ``g``: every member depends on one of
+        the group's roots, so asking about the roots suffices."""
+        return any(self.depends(n, r) for r in self.roots[id(g)])
+
+    def group_reaches(self, h: Group, g: Group) -> bool:
+        """Whether some member of ``h`` reads a member of ``g``. Kept per (group, root) pair
+        and extended only over the members ``h`` gained since the last question."""
+        for r in self.roots[id(g)]:
+            key = (id(h.anchor), id(r))
+            checked, hit = self._members_reach.get(key, (0, False))
+            while not hit and checked < len(h.members):
+                m = h.members[checked]
+                hit = any(self.depends(i, r) for i in m.inputs)
+                checked += 1
+            self._members_reach[key] = (checked, hit)
+            if hit:
+                return True
+        return False
+
+    def depends_on(self, n: Node, g: Group) -> bool:
+        """Whether ``n`` reads the reduction group ``g`` through ungrouped inlined nodes."""
+        return any(x is g for x in self.reachable_reductions(n))
+
+    def row_compatible(self, n: Node, g: Group, shape: tuple, axes: tuple) -> bool:
+        """``n`` (of the full ``shape``) uses group values only elementwise, or through an
+        ``expand`` of a row-shaped value back over the reduced ``axes``. The answer is the
+        conjunction of a local check over every node the relation reaches, memoised per node."""
+        row_shape = _row_shape(shape, axes)
+        memo, anchor = self._row_memo, id(g.anchor)
+
+        def local(x: Node) -> tuple[bool, tuple[Node, ...]]:
+            """x's own condition, and the nodes whose answers it also needs."""
+            if self.group_of.get(id(x)) is g:
+                return x.shape in (shape, row_shape), ()
+            if not self.depends_on(x, g):
+                return True, ()
+            if x.op == "expand" and x.shape == shape:
+                return x.inputs[0].shape == row_shape, x.inputs[:1]
+            if is_elementwise(x.op) and x.shape in (shape, row_shape):
+                return True, x.inputs
+            return False, ()
+
+        stack = [n]
+        while stack:
+            x = stack[-1]
+            if (anchor, id(x)) in memo:
+                stack.pop()
+                continue
+            ok, needs = local(x)
+            pending = [i for i in needs if (anchor, id(i)) not in memo]
+            if ok and pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            memo[(anchor, id(x))] = ok and all(memo[(anchor, id(i))] for i in needs)
+            self.work.add("fusion: row compatible", 1)
+        return memo[(anchor, id(n))]
+
+    def used_outside(self, n: Node, g: Group) -> bool:
+        """Whether a kernel other than ``n``'s own group ``g`` reads ``n``, looking through the
+        ungrouped inlined nodes in between (a kernel not formed yet counts as another).
+
+        Each ungrouped node's readers are computed once, as at most two distinct readers:
+        two are enough to know that one of them is not ``g``."""
+        memo = self._readers
+        group_of, users, outputs = self.group_of, self.users, self.outputs
+
+        def direct(u: Node) -> frozenset | None:
+            """The reader of ``u`` itself, or None when it reads through its users."""
+            h = group_of.get(id(u))
+            if h is not None:
+                return frozenset((id(h),))
+            if inlinable(u) and id(u) not in outputs:
+                return memo.get(id(u))
+            return frozenset((None,))
+
+        stack = [u for u in users[n] if direct(u) is None]
+        while stack:
+            u = stack[-1]
+            if id(u) in memo:
+                stack.pop()
+                continue
+            pending = [w for w in users[u] if direct(w) is None]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            found: set = set()
+            for w in users[u]:
+                found |= direct(w)  # type: ignore[arg-type]
+                if len(found) > 1:
+                    break
+            memo[id(u)] = frozenset(found)
+            self.work.add("fusion: effective users", 1)
+        readers: set = set()
+        for u in users[n]:
+            readers |= direct(u)  # type: ignore[arg-type]
+        self.work.add("fusion: effective users", 1)
+        return len(readers) > 1 or (bool(readers) and next(iter(readers)) != id(g))
+
+    # -- joins -------------------------------------------------------------------------------
+    def join_reduce_group(self, n: Node) -> Group | None:
+        """An earlier reduction group over the same iteration space that ``n`` depends on only
+        through elementwise ops and row broadcasts (so the group can compute ``n`` after it in
+        the same row loop)."""
+        shape, axes = n.inputs[0].shape, n.attr("axes")
+        same = [g for g in self.reachable_reductions(n.inputs[0]) if g.domain == (shape, axes)]
+        if len(same) != 1:
+            return None
+        found = same[0]
+        others = [g for g in self.reachable_groups(n.inputs[0]) if g is not found]
+        if any(self.group_reaches(h, found) for h in others):  # fusing would make a cycle between kernels
+            found.notes.append(f"{n.op} at {n.loc or '?'} depends on the group through another kernel: "
+                               f"separate kernel")
+            return None
+        if not self.row_compatible(n.inputs[0], found, shape, axes):
+            found.notes.append(f"{n.op} at {n.loc or '?'} reads the group's reductions through a non-broadcast "
+                               f"movement: separate kernel")
+            return None
+        return found
+
+    def maybe_join_epilogue(self, n: Node) -> None:
+        """Fuse ``n`` into the kernel of its operands when it is that kernel's epilogue."""
+        if not (is_elementwise(n.op) or n.op == "reshape"):
+            return
+        group_of = self.group_of
+        direct = {id(g): g for g in (group_of.get(id(i)) for i in n.inputs) if g is not None}
+        contractions = [g for g in direct.values() if g.kind in ("matmul", "conv")]
+        for g in sorted(contractions, key=lambda g: -len(g.members)):
+            # Pointwise on the accumulator (reshapes included: the element is the same); the other
+            # operands are loaded, so they must not depend on this kernel.
+            if n.type.numel == g.anchor.type.numel and all(group_of.get(id(i)) is g or not self.reaches(i, g)
+                                                            for i in n.inputs):
+                self.add(g, n)
+                return
+        if contractions or not is_elementwise(n.op):
+            return
+        reduce_groups = self.reachable_reductions(*n.inputs)
+        domains = {(r.domain[0], r.domain[1]) for r in reduce_groups}
+        if not reduce_groups or len(domains) != 1:
+            return
+        shape, axes = next(iter(domains))
+        if n.shape not in (shape, _row_shape(shape, axes)):
+            return
+        target = reduce_groups[0]
+        others = [h for h in self.reachable_groups(*n.inputs) if h.kind != "reduce"]
+        if any(self.group_reaches(h, r) for h in others for r in reduce_groups):
+            target.notes.append(f"{n.op} at {n.loc or '?'} also depends on the group through another kernel")
+            return
+        if any(self.group_reaches(a, b) for a in reduce_groups for b in reduce_groups if a is not b):
+            return  # sibling groups must be independent to merge
+        for other in reduce_groups[1:]:  # independent reductions over one domain: one kernel
+            for m in other.members:
+                group_of[id(m)] = target
+            target.members += other.members
+            target.notes += other.notes
+            self.roots[id(target)] += self.roots.pop(id(other))
+            del self.groups[id(other)]
+            self._row_memo.clear()  # members moved: row compatibility may change
+        if all(self.row_compatible(i, target, shape, axes) for i in n.inputs):
+            self.add(target, n)
+
+    # -- launch order --------------------------------------------------------------------------
+    def dependency_order(self, groups: list[Group]) -> list[Group]:
+        """``groups`` (in their given order where free) with every group after the groups it reads.
+
+        The position of a group's last member is not enough: an epilogue joined to a reduction
+        (``softmax * 2``) can come after a matmul that consumes the softmax, which would then be
+        launched before its operand was computed. Kahn's algorithm, always taking the first
+        ready group in the given order."""
+        index = {id(g): i for i, g in enumerate(groups)}
+        group_of = self.group_of
+        inlined_reads: dict[int, frozenset[int]] = {}  # ungrouped node -> groups it reads
+
+        def reads_of(x: Node) -> frozenset[int]:
+            """The groups an ungrouped node reads through other ungrouped nodes (memoised)."""
+            stack = [x]
+            while stack:
+                y = stack[-1]
+                if id(y) in inlined_reads:
+                    stack.pop()
+                    continue
+                pending = [i for i in y.inputs if id(i) not in group_of and id(i) not in inlined_reads]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                stack.pop()
+                found: set[int] = set()
+                for i in y.inputs:
+                    h = group_of.get(id(i))
+                    found |= {index[id(h)]} if h is not None else inlined_reads[id(i)]
+                inlined_reads[id(y)] = frozenset(found)
+                self.work.add("fusion: dependency order", 1)
+            return inlined_reads[id(x)]
+
+        deps: list[set[int]] = []
+        for gi, g in enumerate(groups):
+            found: set[int] = set()
+            for m in g.members:
+                for x in m.inputs:
+                    h = group_of.get(id(x))
+                    if h is None:  # inlined into g: computed from its own operands
+                        found |= reads_of(x)
+                    else:
+                        found.add(index[id(h)])
+            found.discard(gi)
+            deps.append(found)
+            self.work.add("fusion: dependency order", len(g.members))
+        waiting = [len(d) for d in deps]
+        readers: list[list[int]] = [[] for _ in groups]
+        for gi, d in enumerate(deps):
+            for j in d:
+                readers[j].append(gi)
+        ready = [gi for gi, w in enumerate(waiting) if w == 0]
+        heapq.heapify(ready)
+        out: list[Group] = []
+        while ready:
+            gi = heapq.heappop(ready)
+            out.append(groups[gi])
+            for r in readers[gi]:
+                waiting[r] -= 1
+                if waiting[r] == 0:
+                    heapq.heappush(ready, r)
+        if len(out) < len(groups):  # a fusion bug: the joins are meant to keep the groups acyclic
+            raise AssertionError(f"fused groups depend on each other in a cycle: {[g.anchor for g in groups]}")
+        return out
 
 
 def _drop_stored_reshapes(groups: list[Group], stored: set[int], outputs: set[int]) -> None:
     """A stored epilogue ``reshape`` of another stored member is the same bytes: consumers can
     index the member's buffer instead, so the reshape leaves the kernel."""
     for g in groups:
-        for m in list(g.members):
+        members = {id(m) for m in g.members}
+        kept = []
+        for m in g.members:
             if (m.op == "reshape" and id(m) in stored and id(m) not in outputs
-                    and id(m.inputs[0]) in stored and any(m.inputs[0] is x for x in g.members)):
+                    and id(m.inputs[0]) in stored and id(m.inputs[0]) in members):
                 stored.discard(id(m))
-                g.members.remove(m)
-
-
-def _effective_users(n: Node, users: dict[Node, list[Node]], group_of: dict[int, Group],
-                     outputs: set[int]) -> list[Group | None]:
-    """The kernels that read ``n``, looking through the ungrouped inlined nodes in between
-    (None stands for a kernel not formed yet)."""
-    out: list[Group | None] = []
-    stack, seen = list(users[n]), set()
-    while stack:
-        u = stack.pop()
-        if id(u) in seen:
-            continue
-        seen.add(id(u))
-        g = group_of.get(id(u))
-        if g is not None:
-            out.append(g)
-        elif inlinable(u) and id(u) not in outputs:
-            stack.extend(users[u])
-        else:
-            out.append(None)
-    return out
-
-
-def partition(graph: Graph, *, store_conv_inputs: bool = False) -> list[Group]:
-    """``store_conv_inputs``: a convolution's input is stored rather than inlined, whatever computes
-    it — zero padding, a concat, a resize, a cheap activation (the CPU reads each input element
-    Cout·kernel / vector times, and its implicit GEMM wants one add per read; the GPU stages its
-    tiles through shared memory and computes them there once)."""
-    users = graph.users()
-    outputs = {id(o) for o in graph.outputs}
-    stored: set[int] = set()  # nodes that get a buffer written by some kernel
-    group_of: dict[int, Group] = {}
-    groups: list[Group] = []
-
-    def new_group(kind: str, anchor: Node) -> Group:
-        g = Group(kind, anchor, [anchor])
-        group_of[id(anchor)] = g
-        groups.append(g)
-        return g
-
-    # Operands of matmul/conv that carry arithmetic are stored: inlined, they would be
-    # recomputed for every multiply-add of the contraction.
-    for n in graph.nodes:
-        if n.op in ("matmul", "conv"):
-            for operand in n.inputs:
-                if store_conv_inputs and n.op == "conv" and operand is n.inputs[0] and inlinable(operand) \
-                        and not is_buffer(operand):
-                    stored.add(id(operand))
-                    continue
-                while operand.op in MOVEMENT and operand.op != "gather":  # re-indexing is free: store below it
-                    operand = operand.inputs[0]
-                if not is_buffer(operand) and inlinable(operand) and _tree_cost(operand, stored) > PROLOGUE_OPS_LIMIT:
-                    stored.add(id(operand))
-
-    for n in graph.nodes:
-        if is_buffer(n) or id(n) in group_of:
-            continue
-        if n.op == "reduce":
-            g = _join_reduce_group(n, group_of, groups) or new_group("reduce", n)
-            group_of[id(n)] = g
-            if n is not g.anchor:
-                g.members.append(n)
-        elif n.op in ("matmul", "conv"):
-            new_group(n.op, n)
-        elif inlinable(n):
-            _maybe_join_epilogue(n, group_of, groups)
-
-    # Decide which values are stored: outputs of the graph, anchors used outside their group,
-    # elementwise values shared by several kernels (when costly to recompute).
-    for n in graph.nodes:
-        if is_buffer(n):
-            continue
-        g = group_of.get(id(n))
-        outside = [u for u in _effective_users(n, users, group_of, outputs) if u is not g]
-        if id(n) in outputs or (g is not None and outside):
-            stored.add(id(n))
-        elif g is None and inlinable(n):
-            consumers = {id(group_of.get(id(u))) for u in users[n]}
-            if len(users[n]) > 1 and len(consumers) > 1 and _tree_cost(n, stored) > INLINE_OPS_LIMIT:
-                stored.add(id(n))
-        elif g is None:
-            stored.add(id(n))
-
-    # Stored nodes that no group computes become elementwise groups.
-    for n in graph.nodes:
-        if id(n) in stored and id(n) not in group_of and not is_buffer(n):
-            new_group("elementwise", n)
-    _drop_stored_reshapes(groups, stored, outputs)
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
-    for g in groups:
-        g.members.sort(key=lambda m: order[id(m)])
-        g.outputs = [m for m in g.members if id(m) in stored]
-    groups.sort(key=lambda g: max(order[id(m)] for m in g.members))
-    return _dependency_order(groups, group_of)
-
-
-def _dependency_order(groups: list[Group], group_of: dict[int, Group]) -> list[Group]:
-    """``groups`` (in their given order where free) with every group after the groups it reads.
-
-    The position of a group's last member is not enough: an epilogue joined to a reduction
-    (``softmax * 2``) can come after a matmul that consumes the softmax, which would then be
-    launched before its operand was computed."""
-    index = {id(g): i for i, g in enumerate(groups)}
-
-    def reads(g: Group) -> set[int]:
-        found: set[int] = set()
-        stack, seen = [i for m in g.members for i in m.inputs], set()
-        while stack:
-            x = stack.pop()
-            if id(x) in seen:
-                continue
-            seen.add(id(x))
-            h = group_of.get(id(x))
-            if h is None:  # inlined into g: computed from its own operands
-                stack.extend(x.inputs)
-            elif h is not g:
-                found.add(index[id(h)])
-        return found
-
-    deps = [reads(g) for g in groups]
-    done: set[int] = set()
-    out: list[Group] = []
-    while len(out) < len(groups):
-        i = next((i for i in range(len(groups)) if i not in done and deps[i] <= done), None)
-        if i is None:  # a fusion bug: the joins are meant to keep the groups acyclic
-            raise AssertionError(f"fused groups depend on each other in a cycle: {[g.anchor for g in groups]}")
-        done.add(i)
-        out.append(groups[i])
-    return out
-
-
-def _join_reduce_group(n: Node, group_of: dict[int, Group], groups: list[Group]) -> Group | None:
-    """An earlier reduction group over the same iteration space that ``n`` depends on only through
-    elementwise ops and row broadcasts (so the group can compute ``n`` after it in the same row loop)."""
-    shape, axes = n.inputs[0].shape, n.attr("axes")
-    reachable = _reachable_groups(n.inputs[0], group_of)
-    same = [g for g in reachable if g.kind == "reduce" and g.domain == (shape, axes)]
-    if len(same) != 1:
-        return None
-    found = same[0]
-    others = [g for g in reachable if g is not found]
-    if any(_group_reaches(h, found) for h in others):  # fusing would make a cycle between kernels
-        found.notes.append(f"{n.op} at {n.loc or '?'} depends on the group through another kernel: "
-                           f"separate kernel")
-        return None
-    if not _row_compatible(n.inputs[0], found, group_of, shape, axes):
-        found.notes.append(f"{n.op} at {n.loc or '?'} reads the group's reductions through a non-broadcast "
-                           f"movement: separate kernel")
-        return None
-    return found
-
-
-def _reachable_groups(n: Node, group_of: dict[int, Group], seen: set[int] | None = None) -> list[Group]:
-    seen = set() if seen is None else seen
-    if id(n) in seen:
-        return []
-    seen.add(id(n))
-    if id(n) in group_of:
-        return [group_of[id(n)]]
-    if not inlinable(n):
-        return []
-    out: list[Group] = []
-    for i in n.inputs:
-        for g in _reachable_groups(i, group_of, seen):
-            if all(g is not o for o in out):
-                out.append(g)
-    return out
-
-
-def _row_compatible(n: Node, g: Group, group_of: dict[int, Group], shape: tuple, axes: tuple) -> bool:
-    """``n`` (of the full ``shape``) uses group values only elementwise, or through an ``expand``
-    of a row-shaped value back over the reduced ``axes``."""
-    row_shape = tuple(1 if i in axes else d for i, d in enumerate(shape))
-    if group_of.get(id(n)) is g:
-        return n.shape in (shape, row_shape)
-    if not _depends_on(n, g, group_of):
-        return True
-    if n.op == "expand" and n.shape == shape:
-        src = n.inputs[0]
-        return src.shape == row_shape and _row_compatible(src, g, group_of, shape, axes)
-    if is_elementwise(n.op) and n.shape in (shape, row_shape):
-        return all(_row_compatible(i, g, group_of, shape, axes) for i in n.inputs)
-    return False
-
-
-def _depends_on(n: Node, g: Group, group_of: dict[int, Group]) -> bool:
-    return any(x is g for x in _reachable_groups(n, group_of))
-
-
-def _maybe_join_epilogue(n: Node, group_of: dict[int, Group], groups: list[Group]) -> None:
-    """Fuse ``n`` into the kernel of its operands when it is that kernel's epilogue."""
-    if not (is_elementwise(n.op) or n.op == "reshape"):
-        return
-    direct = {id(g): g for g in (group_of.get(id(i)) for i in n.inputs) if g is not None}
-    contractions = [g for g in direct.values() if g.kind in ("matmul", "conv")]
-    for g in sorted(contractions, key=lambda g: -len(g.members)):
-        # Pointwise on the accumulator (reshapes included: the element is the same); the other
-        # operands are loaded, so they must not depend on this kernel.
-        if n.type.numel == g.anchor.type.numel and all(group_of.get(id(i)) is g or not _reaches(i, g)
-                                                        for i in n.inputs):
-            _add(g, n, group_of)
-            return
-    if contractions or not is_elementwise(n.op):
-        return
-    reachable = [g for i in n.inputs for g in _reachable_groups(i, group_of)]
-    reduce_groups: list[Group] = []
-    for g in reachable:
-        if g.kind == "reduce" and all(g is not r for r in reduce_groups):
-            reduce_groups.append(g)
-    domains = {(r.domain[0], r.domain[1]) for r in reduce_groups}
-    if not reduce_groups or len(domains) != 1:
-        return
-    shape, axes = next(iter(domains))
-    row_shape = tuple(1 if i in axes else d for i, d in enumerate(shape))
-    if n.shape not in (shape, row_shape):
-        return
-    target = reduce_groups[0]
-    others = [h for h in reachable if all(h is not r for r in reduce_groups)]
-    if any(_group_reaches(h, r) for h in others for r in reduce_groups):
-        target.notes.append(f"{n.op} at {n.loc or '?'} also depends on the group through another kernel")
-        return
-    if any(_group_reaches(a, b) for a in reduce_groups for b in reduce_groups if a is not b):
-        return  # sibling groups must be independent to merge
-    for other in reduce_groups[1:]:  # independent reductions over one domain: one kernel
-        for m in other.members:
-            group_of[id(m)] = target
-        target.members += other.members
-        target.notes += other.notes
-        groups.remove(other)
-    if all(_row_compatible(i, target, group_of, shape, axes) for i in n.inputs):
-        _add(target, n, group_of)
-
-
-def _add(g: Group, n: Node, group_of: dict[int, Group]) -> None:
-    g.members.append(n)
-    group_of[id(n)] = g
-
-
-def _reaches(n: Node, g: Group) -> bool:
-    """Whether ``n`` depends on any member of ``g`` through any path (kernels included)."""
-    targets = {id(m) for m in g.members}
-    stack, seen = [n], set()
-    while stack:
-        x = stack.pop()
-        if id(x) in targets:
-            return True
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        stack.extend(x.inputs)
-    return False
-
-
-def _group_reaches(h: Group, g: Group) -> bool:
-    return any(_reaches(i, g) for m in h.members for i in m.inputs)
+                members.discard(id(m))
+            else:
+                kept.append(m)
+        g.members = kept

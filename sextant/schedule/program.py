@@ -8,6 +8,7 @@ launches naming the buffers each kernel reads and writes, and a memory plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, external_buffers
 from sextant.schedule.partition import Group, partition
 from sextant.schedule.target import TargetDesc
+from sextant.work import WorkCounter
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Program:
     # per-kernel resources ptxas reported (registers, shared bytes, spills), once a GPU target
     # assembled the program's PTX: shown in the schedule dump next to each launch
     resources: dict[str, Any] = field(default_factory=dict)
+    work: WorkCounter = field(default_factory=WorkCounter)  # what scheduling did (for scaling tests)
 
     @property
     def peak_bytes(self) -> int:
@@ -73,15 +76,21 @@ class Program:
         belongs to no group: each kernel that reads it recomputes it)."""
         group = self.groups[launch.group]
         reads = {id(self.buffers[b].node) for b in launch.args[:len(launch.args) - len(group.outputs)]}
-        seen: set[int] = set()
+        seen: dict[int, Node] = {}
         stack = [*group.members, *group.outputs]
         while stack:
             n = stack.pop()
             if id(n) in seen or id(n) in reads:
                 continue
-            seen.add(id(n))
+            seen[id(n)] = n
             stack.extend(n.inputs)
-        return [n for n in self.graph.nodes if id(n) in seen]
+        position = self._position
+        return sorted(seen.values(), key=position.__getitem__)
+
+    @functools.cached_property
+    def _position(self) -> dict[Node, int]:
+        """Graph order of every node, so a launch's nodes are sorted, not found by a scan of the graph."""
+        return {n: i for i, n in enumerate(self.graph.nodes)}
 
     def describe(self) -> str:
         """The schedule dump: which graph nodes went into which kernel, and refused fusions."""
@@ -97,7 +106,15 @@ def _movement_of_param(n: Node) -> bool:
 
 
 def _evaluate(n: Node, graph: Graph) -> torch.Tensor:
-    return eval_node(n, [_evaluate(i, graph) for i in n.inputs], graph)
+    """The value of a chain of single-operand movement ops over a param, bottom up."""
+    chain = []
+    while n.inputs:
+        chain.append(n)
+        n = n.inputs[0]
+    value = eval_node(n, [], graph)
+    for m in reversed(chain):
+        value = eval_node(m, [value], graph)
+    return value
 
 
 def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
@@ -121,10 +138,23 @@ def finish_kernel(k: Kernel, target: TargetDesc) -> Kernel:
     return k
 
 
-def schedule(graph: Graph, target: TargetDesc) -> Program:
+def _statements(body: tuple) -> int:
+    """Statements in a kernel body, nested ones included."""
+    count, stack = 0, list(body)
+    while stack:
+        s = stack.pop()
+        count += 1
+        stack.extend(getattr(s, "body", ()) + getattr(s, "then", ()) + getattr(s, "orelse", ()))
+    return count
+
+
+def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) -> Program:
+    """The program for ``graph`` on ``target``; ``work`` (also kept on the program) counts what
+    fusion and kernel generation did."""
+    work = work if work is not None else WorkCounter()
     if not target.is_gpu:
         graph = explicit_padding(graph)
-    groups = partition(graph, store_conv_inputs=not target.is_gpu)
+    groups = partition(graph, work, store_conv_inputs=not target.is_gpu)
     packed = prepack_weights(graph, groups)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
@@ -155,12 +185,15 @@ def schedule(graph: Graph, target: TargetDesc) -> Program:
     launches: list[Launch] = []
     for gi, g in enumerate(groups):
         k = mappings[g.kind](g, stored, target, "kernel")
+        work.add("kernels: generated")
+        work.add("kernels: statements", _statements(k.body))
         key = dataclasses.replace(k, name="")
         name = unique.get(key)
         if name is None:
             name = f"{g.kind}_{len(kernels)}"
             unique[key] = name
             kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target)
+            work.add("kernels: finished")
         ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
                for n in external_buffers(g, stored)]
         outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]
@@ -181,4 +214,5 @@ def schedule(graph: Graph, target: TargetDesc) -> Program:
     notes = [note for g in groups for note in g.notes]
     used = {a for launch in launches for a in launch.args} | set(outputs)
     constants = {k: v for k, v in constants.items() if k in used}
-    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes)
+    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes,
+                   work=work)

@@ -234,7 +234,7 @@ def _visit_all(kernel: Kernel) -> dict[str, Env]:
 
     def visit(s: Stmt, env: Env) -> None:
         if isinstance(s, Store):
-            seen[s.buffer] = env
+            seen[s.buffer] = env.copy()  # the walk updates env in place
 
     ranges.walk(kernel.body, ranges.entry(), visit)
     return seen

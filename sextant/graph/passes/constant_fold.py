@@ -146,7 +146,7 @@ def fold_subgraphs(graph: Graph) -> Graph:
     params = dict(graph.params)
     env: dict[Node, torch.Tensor] = {}
     mapping: dict[Node, Node] = {}
-    folded: list[tuple[Node, torch.Tensor]] = []
+    folded: dict[tuple, list[tuple[Node, torch.Tensor]]] = {}  # (type, content hash) -> params
     names = (f"folded.{k}" for k in itertools.count() if f"folded.{k}" not in params)
 
     def materialise(n: Node, value: torch.Tensor) -> None:
@@ -160,14 +160,17 @@ def fold_subgraphs(graph: Graph) -> Graph:
             if src in fold:  # its value is any one copy of the broadcast (only size-1 dims expand)
                 materialise(src, value[tuple(slice(0, d) for d in src.shape)].clone())
             return
-        for prev, tensor in folded:  # identical results share one param (CSE cannot merge distinct names)
-            if prev.type == n.type and torch.equal(_bits(tensor), _bits(value)):
+        # identical results share one param (CSE cannot merge distinct names); a hash of the bits
+        # finds the candidates, so each fold compares with equal-looking tensors only
+        key = (n.type, hash(_bits(value).contiguous().numpy().tobytes()))
+        for prev, tensor in folded.get(key, []):
+            if torch.equal(_bits(tensor), _bits(value)):
                 mapping[n] = prev
                 return
         name = next(names)
         params[name] = value.contiguous()
         mapping[n] = make_node("param", (), {"name": name, "shape": n.shape, "dtype": n.dtype}, n.loc)
-        folded.append((mapping[n], params[name]))
+        folded.setdefault(key, []).append((mapping[n], params[name]))
 
     with torch.no_grad():
         for n in graph.nodes:

@@ -21,6 +21,7 @@ from sextant.graph.passes.dce import dce
 from sextant.graph.passes.simplify import simplify
 from sextant.graph.printer import print_graph
 from sextant.graph.verifier import verify
+from sextant.work import WorkCounter
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,15 @@ def _resolve(pipeline: str | Sequence[str], max_rounds: int | None) -> tuple[lis
     return [PASSES[n] for n in names], rounds if max_rounds is None else max_rounds
 
 
-def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rounds: int | None
-         ) -> Iterator[PassResult]:
+def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rounds: int | None,
+         work: WorkCounter | None = None) -> Iterator[PassResult]:
     passes, rounds = _resolve(pipeline, max_rounds)
     for _ in range(rounds):
         round_changed = False
         for p in passes:
             new = p.fn(graph)
+            if work is not None:  # every pass is a bounded number of rebuilds of the graph
+                work.add(f"passes: {p.name}", len(graph.nodes))
             if verify_each:
                 verify(new, where=f"pass '{p.name}'")
             changed = not same_graph(graph, new)
@@ -98,9 +101,10 @@ def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rou
 
 def run_pipeline(graph: Graph, pipeline: str | Sequence[str] = "default", *, verify: bool = True,
                  print_after_all: bool = False, stream: TextIO = sys.stdout,
-                 max_rounds: int | None = None) -> Graph:
-    """Run a named pipeline or a list of pass names; verify after each pass, optionally print the IR."""
-    for r in _run(graph, pipeline, verify, max_rounds):
+                 max_rounds: int | None = None, work: WorkCounter | None = None) -> Graph:
+    """Run a named pipeline or a list of pass names; verify after each pass, optionally print the IR.
+    ``work`` counts the nodes each pass run was given."""
+    for r in _run(graph, pipeline, verify, max_rounds, work):
         if print_after_all:
             print(f"// ---- IR after {r.name} ----", file=stream)
             print(print_graph(r.graph), file=stream)
