@@ -11,6 +11,7 @@ from typing import Any, TextIO
 import torch
 
 from sextant.frontend.capture import capture
+from sextant.gcpause import gc_paused
 from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
 from sextant.runtime.compiled import CompiledModule
@@ -57,6 +58,13 @@ def compile(  # mirrors torch.compile
         from sextant.runtime.cuda import require_cuda
 
         require_cuda()
+    with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
+        return _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress)
+
+
+def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,
+             arch: str | None, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
+             progress: StageHook | None) -> CompiledModule:
     from sextant.graph.passes import run_pipeline
 
     step = progress or (lambda _: contextlib.nullcontext())

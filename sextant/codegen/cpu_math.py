@@ -39,6 +39,8 @@ from collections.abc import Callable
 
 from llvmlite import ir
 
+from sextant.codegen.lane_builder import LaneBuilder
+
 F32, I32 = ir.FloatType(), ir.IntType(32)
 
 # polynomial coefficients, lowest degree first (python -m sextant.tools.vmath_fit)
@@ -194,15 +196,17 @@ _BODIES: dict[str, Callable[[_Body, ir.Value], ir.Value]] = {
 INLINE_FUNCTIONS = frozenset(_BODIES)
 
 
-def inline_function(module: ir.Module, name: str) -> ir.Function:
-    """The module's internal always-inline definition of the C function ``name`` (built once)."""
-    sym = f"sx.{name}"
+def inline_function(module: ir.Module, name: str, width: int = 0) -> ir.Function:
+    """The module's internal always-inline definition of the C function ``name`` (built once);
+    ``width`` > 0: its ``<width x float>`` form, the same body built with a broadcasting builder."""
+    sym = f"sx.{name}" + (f".v{width}" if width else "")
     fn = module.globals.get(sym)
     if fn is None:
-        fn = ir.Function(module, ir.FunctionType(F32, [F32]), sym)
+        ty = ir.VectorType(F32, width) if width else F32
+        fn = ir.Function(module, ir.FunctionType(ty, [ty]), sym)
         fn.linkage = "internal"
         fn.attributes.add("alwaysinline")
         fn.attributes.add("nounwind")
-        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        b = LaneBuilder(fn.append_basic_block("entry"))
         b.ret(_BODIES[name](_Body(module, b), fn.args[0]))
     return fn

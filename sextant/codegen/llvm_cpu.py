@@ -11,8 +11,11 @@ turns the scalars back into SSA values; ``shared`` buffers are one array per blo
 invocation, ``local`` buffers one array per thread where needed. Arrays larger than
 ``HEAP_BYTES`` (or past ``STACK_BYTES`` in all) come from ``malloc`` instead of the stack.
 
-All kernels go into one module, optimised once with the O3 pipeline for the host CPU (so loops
-vectorise with AVX2/AVX-512) and JIT-compiled once.
+An unrolled loop whose iterations are independent lanes (``codegen.lanes``) is emitted as
+``<W x T>`` vector code, W filling the host's vector registers. Each kernel is its own module,
+optimised with the O3 pipeline for the host CPU (so loops vectorise with AVX2/AVX-512) and
+compiled to an object — from the on-disk cache, or on all cores (``codegen.objects``); one
+MCJIT engine loads them all.
 
 ``check_races=True`` (or ``SEXTANT_CHECK_RACES=1``) compiles a checked variant that catches
 shared-memory races, out-of-bounds accesses and divergent warp reductions (``race_check``).
@@ -28,7 +31,10 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from sextant.codegen.errors import CodegenError
+from sextant.codegen.lane_builder import LaneBuilder
+from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
 from sextant.codegen.lowering import LoweringBase
+from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, compile_objects, optimize
 from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import (
@@ -40,18 +46,28 @@ from sextant.codegen.simt import (
     UniformFor,
     XchgReduce,
     XchgStore,
+    expr_loads,
     plan_kernel,
 )
+from sextant.gcpause import gc_paused
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
+    Assign,
+    Binary,
     Buffer,
+    Cast,
+    Const,
     Expr,
     For,
     Kernel,
+    Load,
+    Select,
     Special,
+    Unary,
     Var,
 )
 from sextant.runtime.cpu import CpuModule
+from sextant.schedule.target import host_vector_bytes
 
 PTR = ir.PointerType()
 HEAP_BYTES = 64 * 1024  # arrays larger than this are malloc'd, not on the (thread's) stack ...
@@ -113,38 +129,57 @@ def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None,
     return module
 
 
-def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = None) -> CpuModule:
-    """Lower ``kernels`` into one LLVM module, optimise it at O3 and JIT-compile it.
+def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = None,
+                    options: PassOptions = DEFAULT_OPTIONS) -> CpuModule:
+    """Lower each kernel into its own LLVM module, optimise it at O3 and load the machine code.
 
+    Objects come from the on-disk cache or are compiled on all cores (``codegen.objects``).
     ``check_races`` (default: the ``SEXTANT_CHECK_RACES`` environment variable) compiles the
     checked variant: launches raise ``race_check.KernelCheckError`` on a shared-memory race, an
     out-of-bounds access or a divergent warp reduction."""
-    check = checks_enabled(check_races)
+    if checks_enabled(check_races):
+        return _compile_checked(kernels)
+    tm = host_target_machine()
+    names = [k.name for k in kernels]
+    if len(set(names)) != len(names):
+        raise CodegenError(f"two kernels are named {next(n for n in names if names.count(n) > 1)!r}")
+    with gc_paused():
+        texts = [str(emit_module([k], tm)) for k in kernels]
+    with _compile_lock:  # llvmlite parses into LLVM's global context, which is not thread-safe
+        objects, cached = compile_objects(texts, tm, options)
+        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm)
+        for obj in objects:
+            engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        engine.finalize_object()
+        addresses = {k.name: engine.get_function_address(k.name) for k in kernels}
+
+    def optimized() -> str:  # for dumps and reports only: optimised again, in this process
+        with _compile_lock:
+            return "\n".join(str(optimize(t, tm, options)) for t in texts)
+
+    module = CpuModule(list(kernels), addresses, keepalive=(engine, objects),
+                       llvm_ir="\n".join(texts), optimized_ir=optimized)
+    module.cached_objects = cached
+    return module
+
+
+def _compile_checked(kernels: Sequence[Kernel]) -> CheckedCpuModule:
+    """The checked build: one module, optimised lightly (a test mode), JIT-compiled in process."""
     tm = host_target_machine()
     lowerings: list[_KernelLowering] = []
-    module = emit_module(kernels, tm, check_races=check, lowerings=lowerings)
-    text = str(module)
-    with _compile_lock:  # llvmlite parses into LLVM's global context, which is not thread-safe
-        try:
-            llmod = llvm.parse_assembly(text)
-            llmod.verify()
-        except RuntimeError as e:  # a code generator bug, not a user error: show the IR's first lines
-            raise CodegenError(f"generated LLVM IR is invalid: {e}\n{text[:4000]}") from e
-        pto = llvm.create_pipeline_tuning_options(speed_level=1 if check else 3)  # checked code: a test mode
-        pto.slp_vectorization = True  # off by default in LLVM's tuning options; clang turns it on at O2+
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(llmod, pb)
+    with gc_paused():
+        module = emit_module(kernels, tm, check_races=True, lowerings=lowerings)
+        text = str(module)
+    with _compile_lock:
+        llmod = optimize(text, tm, PassOptions(speed_level=1))
         optimized = str(llmod)
         engine = llvm.create_mcjit_compiler(llmod, tm)
         engine.finalize_object()
         addresses = {k.name: engine.get_function_address(k.name) for k in kernels}
-        if check:
-            reports = {k.name: engine.get_global_value_address(report_symbol(k.name)) for k in kernels}
-    if check:
-        infos = {low.kernel.name: low.checker.info for low in lowerings if low.checker is not None}
-        return CheckedCpuModule(list(kernels), addresses, reports, infos, keepalive=(engine, llmod), llvm_ir=text,
-                                optimized_ir=optimized)
-    return CpuModule(list(kernels), addresses, keepalive=(engine, llmod), llvm_ir=text, optimized_ir=optimized)
+        reports = {k.name: engine.get_global_value_address(report_symbol(k.name)) for k in kernels}
+    infos = {low.kernel.name: low.checker.info for low in lowerings if low.checker is not None}
+    return CheckedCpuModule(list(kernels), addresses, reports, infos, keepalive=(engine, llmod), llvm_ir=text,
+                            optimized_ir=optimized)
 
 
 # -- lowering of one kernel ----------------------------------------------------------------------
@@ -155,7 +190,7 @@ class _KernelLowering(LoweringBase):
         fnty = ir.FunctionType(ir.VoidType(), [PTR, I32, I32])
         self.fn = ir.Function(module, fnty, kernel.name)
         self.fn.attributes.add("nounwind")
-        self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
+        self.b: LaneBuilder = LaneBuilder(self.fn.append_basic_block("entry"))
         self.math = ScalarMath(module, self.b)
         self.module = module
         self.buffers: dict[str, tuple[Buffer, ir.Value]] = {}
@@ -169,6 +204,12 @@ class _KernelLowering(LoweringBase):
         self.bid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
         self.block_linear: ir.Value = self._i32(0)
         self.checker = KernelChecker(self) if check else None
+        # lanes of an unrolled loop emitted as vectors (0: every loop unrolled one iteration at a
+        # time); the checked build stays scalar, its checks look at one index at a time
+        self.vector_lanes = 0 if check else host_vector_bytes() // 4
+        self.lanes: LanePlan | None = None
+        self.lane_vals: dict[str, ir.Value] = {}
+        self.lane_memo: dict[int, tuple[Expr, ir.Value]] = {}
 
     # -- storage -----------------------------------------------------------------------------
     def _array(self, ty: ir.Type, count: int, name: str) -> ir.Value:
@@ -384,6 +425,122 @@ class _KernelLowering(LoweringBase):
             r = self.math.binary(_WARP_OP[s.op], acc, v, dt)
             acc = r if ok is None else b.select(ok, r, acc)
         self.write_var(s.var, acc)
+
+    # -- unrolled loops as vector code (sextant.codegen.lanes) -------------------------------
+    def _for(self, s: For) -> None:
+        plan = plan_lanes(s, self.vector_lanes) if s.unroll and self.vector_lanes >= 4 else None
+        if plan is None:
+            super()._for(s)
+            return
+        outer = (self.lanes, self.lane_vals)
+        self.lanes, self.lane_vals = plan, {}
+        w, var_of = plan.width, {st.var.name: st.var for st in s.body if isinstance(st, Assign)}
+        ity = reg_type(s.var.dtype)
+        for first in range(plan.start, plan.start + plan.trips, w):
+            self.lane_vals[s.var.name] = ir.Constant(ir.VectorType(ity, w), list(range(first, first + w)))
+            for st in s.body:
+                self.memo, self.lane_memo = {}, {}
+                if isinstance(st, Assign):
+                    if st.value.dtype != st.var.dtype:
+                        raise self._fail(f"assigning a {st.value.dtype.value} value to register {st.var.name} "
+                                         f"({st.var.dtype.value})")
+                    value = self._lane(st.value)
+                    if st.var.name in plan.varying:
+                        self.lane_vals[st.var.name] = self.b.splat(value, w)
+                    else:
+                        self.write_var(st.var, value)
+                else:
+                    self._lane_store(st.buffer, st.index, st.value)
+        last = ir.Constant(I32, w - 1)
+        finals = {name: self.b.extract_element(v, last) for name, v in self.lane_vals.items()}
+        self.lanes, self.lane_vals = outer
+        self.memo, self.lane_memo = {}, {}
+        for name, v in finals.items():  # what code after the loop sees: the last iteration's values
+            if name in self.slots:
+                self.write_var(var_of.get(name, s.var), v)
+
+    def _lane_ptr(self, buffer: str, index: Expr, dtype: DType) -> tuple[ir.Value, Buffer]:
+        """The address of lane 0's element of a contiguous access."""
+        idx = self._lane(index)
+        if isinstance(idx.type, ir.VectorType):
+            idx = self.b.extract_element(idx, ir.Constant(I32, 0))
+        buf, ptr = self._elem_ptr(buffer, idx)
+        if buf.dtype != dtype:
+            raise self._fail(f"access of {dtype.value} to {buf.name} ({buf.dtype.value})")
+        return ptr, buf
+
+    def _lane_store(self, buffer: str, index: Expr, value: Expr) -> None:
+        assert self.lanes is not None and self.lanes.coefficient(index) == CONTIGUOUS
+        val = self.b.splat(self._lane(value), self.lanes.width)
+        ptr, buf = self._lane_ptr(buffer, index, value.dtype)
+        self.b.store(self.math.to_mem(val, buf.dtype), ptr, align=_BYTES[str(mem_type(buf.dtype))])
+
+    def _lane(self, e: Expr) -> ir.Value:
+        """``e`` for the current lanes: a scalar when it is the same in all of them, else a vector."""
+        plan = self.lanes
+        assert plan is not None
+        if not plan.varies(e):
+            return self._value(e)
+        hit = self.lane_memo.get(id(e))
+        if hit is not None:
+            return hit[1]
+        v = self._lane_expr(e, plan)
+        self.lane_memo[id(e)] = (e, v)
+        return v
+
+    def _lane_expr(self, e: Expr, plan: LanePlan) -> ir.Value:
+        m, w = self.math, plan.width
+        if isinstance(e, Var):
+            return self.lane_vals[e.name]
+        if isinstance(e, Load):
+            mty = mem_type(e.dtype)
+            if plan.coefficient(e.index) == CONTIGUOUS:
+                ptr, _ = self._lane_ptr(e.buffer, e.index, e.dtype)
+                raw = self.b.load(ptr, typ=ir.VectorType(mty, w), align=_BYTES[str(mty)])
+            else:  # a gather, lane by lane
+                idx = self.b.splat(self._lane(e.index), w)
+                raw = ir.Constant(ir.VectorType(mty, w), ir.Undefined)
+                for lane in range(w):
+                    at = ir.Constant(I32, lane)
+                    buf, ptr = self._elem_ptr(e.buffer, self.b.extract_element(idx, at))
+                    if buf.dtype != e.dtype:
+                        raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
+                    raw = self.b.insert_element(raw, self.b.load(ptr, typ=mty), at)
+            return m.from_mem(raw, e.dtype)
+        if isinstance(e, Unary):
+            self._check_type(e.op, [e.a.dtype], e.dtype)
+            return m.unary(e.op, self._lane(e.a), e.a.dtype)
+        if isinstance(e, Binary):
+            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
+            return m.binary(e.op, self._lane(e.a), self._lane(e.b), e.a.dtype)
+        if isinstance(e, Cast):
+            return m.cast(self._lane(e.a), e.a.dtype, e.dtype)
+        if isinstance(e, Select):
+            self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
+            return self._lane_select(e, w)
+        if isinstance(e, Const):
+            return m.const(e.value, e.dtype)
+        raise self._fail(f"unknown expression {e!r} in vectorised lanes")
+
+    def _lane_select(self, e: Select, w: int) -> ir.Value:
+        """A vector select; when the condition is the same in every lane and an arm loads memory,
+        only the chosen arm runs (plan_lanes refuses loops where the condition varies)."""
+        cond = self._lane(e.cond)
+        if isinstance(cond.type, ir.VectorType) or not (expr_loads(e.a) or expr_loads(e.b)):
+            return self.math.select(cond, self._lane(e.a), self._lane(e.b))
+        b = self.b
+        saved = (dict(self.memo), dict(self.lane_memo))
+        with b.if_else(cond) as (then, orelse):
+            with then:
+                va, ba = b.splat(self._lane(e.a), w), b.block
+            self.memo, self.lane_memo = dict(saved[0]), dict(saved[1])
+            with orelse:
+                vb, bb = b.splat(self._lane(e.b), w), b.block
+        self.memo, self.lane_memo = saved
+        phi = b.phi(va.type)
+        phi.add_incoming(va, ba)
+        phi.add_incoming(vb, bb)
+        return phi
 
     # -- expressions (the rest is LoweringBase's) ---------------------------------------------
     def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:

@@ -74,6 +74,10 @@ def _f32(v: float) -> float:
     return float(np.float32(v))
 
 
+def _scalar(t: ir.Type) -> ir.Type:
+    return t.element if isinstance(t, ir.VectorType) else t
+
+
 class MathLibrary:
     """Where C math functions (``expf``, ``fmodf``, ``tan``, ...) come from on a target.
 
@@ -104,7 +108,8 @@ class CpuMath(MathLibrary):
 
     def call(self, m: ScalarMath, name: str, args: list[ir.Value]) -> ir.Value:
         if name in INLINE_FUNCTIONS:
-            return m.b.call(inline_function(m.module, name), args)
+            width = args[0].type.count if isinstance(args[0].type, ir.VectorType) else 0
+            return m.b.call(inline_function(m.module, name, width), args)
         if name == "fmodf":
             return m.b.frem(*args)
         return m.call(_CPU_INTRINSICS.get(name, name), args[0].type, args)
@@ -129,7 +134,9 @@ class ScalarMath:
         return fn
 
     def call(self, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-        return self.b.call(self.declare(name, ret, [a.type for a in args]), args)
+        """Call the scalar function ``name``; with vector arguments the builder (a
+        :class:`~sextant.codegen.lane_builder.LaneBuilder`) widens the call."""
+        return self.b.call(self.declare(name, _scalar(ret), [_scalar(a.type) for a in args]), args)
 
     def libm(self, name: str, *args: ir.Value) -> ir.Value:
         """The C math function ``name`` (e.g. ``expf``) from this target's math library."""

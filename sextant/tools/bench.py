@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from sextant.examples import EXAMPLES, gpt2
+from sextant.gcpause import gc_paused
 from sextant.zoo import ZOO
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,15 +66,16 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
         row["eager_ms"] = _median_time(lambda: model(*args)) * 1e3
         expected = model(*args)
 
-    t0 = time.perf_counter()
-    ep = export(model, args)
-    t1 = time.perf_counter()
-    graph = run_pipeline(translate(ep, name.replace("-", "_")))
-    t2 = time.perf_counter()
-    program = schedule(graph, cpu_target())
-    t3 = time.perf_counter()
-    module = compile_kernels(list(program.kernels.values()))
-    t4 = time.perf_counter()
+    with gc_paused():  # as sextant.compile does
+        t0 = time.perf_counter()
+        ep = export(model, args)
+        t1 = time.perf_counter()
+        graph = run_pipeline(translate(ep, name.replace("-", "_")))
+        t2 = time.perf_counter()
+        program = schedule(graph, cpu_target())
+        t3 = time.perf_counter()
+        module = compile_kernels(list(program.kernels.values()))
+        t4 = time.perf_counter()
     compiled = CompiledModule(graph, "cpu", NativeRunner(program, module))
     row.update(export_s=t1 - t0, graph_s=t2 - t1, schedule_s=t3 - t2, codegen_s=t4 - t3,
                kernels=len(program.launches), unique_kernels=len(program.kernels),
