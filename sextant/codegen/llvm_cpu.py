@@ -111,8 +111,10 @@ def host_target_machine() -> llvm.TargetMachine:
 
 
 def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None, *,
-                check_races: bool = False, lowerings: list[_KernelLowering] | None = None) -> ir.Module:
-    """The unoptimised LLVM module holding every kernel (no JIT): for inspection and tests."""
+                check_races: bool = False, lowerings: list[_KernelLowering] | None = None,
+                vector_bytes: int | None = None) -> ir.Module:
+    """The unoptimised LLVM module holding ``kernels`` (no JIT); unrolled loops become vectors of
+    ``vector_bytes`` (default: the host's widest registers)."""
     tm = tm or host_target_machine()
     module = ir.Module("sextant_cpu")
     module.triple = tm.triple
@@ -122,7 +124,7 @@ def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None,
         if k.name in seen:
             raise CodegenError(f"two kernels are named {k.name!r}")
         seen.add(k.name)
-        low = _KernelLowering(module, k, check_races)
+        low = _KernelLowering(module, k, check_races, host_vector_bytes() if vector_bytes is None else vector_bytes)
         low.emit()
         if lowerings is not None:
             lowerings.append(low)
@@ -184,7 +186,7 @@ def _compile_checked(kernels: Sequence[Kernel]) -> CheckedCpuModule:
 
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _KernelLowering(LoweringBase):
-    def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False):
+    def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False, vector_bytes: int = 32):
         self.kernel = kernel
         self.plan: SimtPlan = plan_kernel(kernel, mark_barriers=check)
         fnty = ir.FunctionType(ir.VoidType(), [PTR, I32, I32])
@@ -206,7 +208,7 @@ class _KernelLowering(LoweringBase):
         self.checker = KernelChecker(self) if check else None
         # lanes of an unrolled loop emitted as vectors (0: every loop unrolled one iteration at a
         # time); the checked build stays scalar, its checks look at one index at a time
-        self.vector_lanes = 0 if check else host_vector_bytes() // 4
+        self.vector_lanes = 0 if check else vector_bytes // 4
         self.lanes: LanePlan | None = None
         self.lane_vals: dict[str, ir.Value] = {}
         self.lane_memo: dict[int, tuple[Expr, ir.Value]] = {}

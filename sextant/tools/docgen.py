@@ -128,7 +128,7 @@ def snippet_tiny_llvm() -> str:
     from sextant.codegen import emit_module
 
     program = _tiny_program()
-    text = str(emit_module([next(iter(program.kernels.values()))]))
+    text = str(emit_module([next(iter(program.kernels.values()))], vector_bytes=DOCS_CPU.vector_bytes))
     lines = text[text.index("define"):].splitlines()
     return "\n".join(lines[:72] + ["  ..."])
 
