@@ -106,15 +106,20 @@ def _movement_of_param(n: Node) -> bool:
 
 
 def _evaluate(n: Node, graph: Graph) -> torch.Tensor:
-    """The value of a chain of single-operand movement ops over a param, bottom up."""
-    chain = []
-    while n.inputs:
-        chain.append(n)
-        n = n.inputs[0]
-    value = eval_node(n, [], graph)
-    for m in reversed(chain):
-        value = eval_node(m, [value], graph)
-    return value
+    """The value of a node that depends on params only (a prepacked weight: a movement chain over
+    a param, or a conv weight computed from several, e.g. weight norm), bottom up, iteratively."""
+    values: dict[int, torch.Tensor] = {}
+    stack: list[tuple[Node, bool]] = [(n, False)]
+    while stack:
+        x, ready = stack.pop()
+        if id(x) in values:
+            continue
+        if ready:
+            values[id(x)] = eval_node(x, [values[id(i)] for i in x.inputs], graph)
+            continue
+        stack.append((x, True))
+        stack.extend((i, False) for i in x.inputs if id(i) not in values)
+    return values[id(n)]
 
 
 def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:

@@ -119,6 +119,16 @@ def test_weights_computed_from_an_input_use_the_direct_mapping() -> None:
     assert all(not g.packed for g in program.groups)
 
 
+def test_weights_computed_from_several_params_are_laid_out_at_compile_time() -> None:
+    """wav2vec2's positional conv: weight norm, ``g * v / ||v||`` — a DAG over two params, not a
+    movement chain over one (its evaluation used to follow only first operands and crash)."""
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(16, 16, 8, padding=4, groups=4), dim=2)
+    program, got, want = _run(conv, torch.randn(2, 16, 24), 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    (conv_group,) = [g for g in program.groups if g.kind == "conv"]
+    assert conv_group.packed, "a weight of params only is still packed for the implicit GEMM"
+
+
 def test_a_computed_input_is_stored_once_not_recomputed_per_read() -> None:
     class Head(nn.Module):  # SegFormer's head: upsampled maps concatenated, then a 1×1 conv
         def __init__(self) -> None:
