@@ -24,8 +24,11 @@ shared-memory races, out-of-bounds accesses and divergent warp reductions (``rac
 from __future__ import annotations
 
 import ctypes.util
+import functools
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -34,7 +37,7 @@ from sextant.codegen.errors import CodegenError
 from sextant.codegen.lane_builder import LaneBuilder
 from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
 from sextant.codegen.lowering import LoweringBase
-from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, compile_objects, optimize
+from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, build_objects, cache_key, optimize
 from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import (
@@ -66,7 +69,7 @@ from sextant.kernel.ir import (
     Unary,
     Var,
 )
-from sextant.runtime.cpu import CpuModule
+from sextant.runtime.cpu import CpuModule, estimate_work
 from sextant.schedule.target import host_vector_bytes
 
 PTR = ir.PointerType()
@@ -131,36 +134,73 @@ def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None,
     return module
 
 
+@functools.cache
+def _lowering_fingerprint() -> str:
+    """A hash of the source of everything that decides what LLVM IR a kernel becomes (this
+    package, the kernel IR, the graph IR's op and dtype definitions): a cached object keyed by
+    the kernel IR is stale as soon as any of it changes."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted([*root.joinpath("codegen").glob("*.py"), *root.joinpath("kernel").glob("*.py"),
+                    root / "graph" / "ops.py", root / "graph" / "dtypes.py"])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def kernel_key(kernel: Kernel, tm: llvm.TargetMachine, options: PassOptions, vector_bytes: int) -> str:
+    """The cache key of a kernel's object, from its kernel IR (no LLVM IR needs generating to look
+    it up): the IR's complete dataclass form, the lowering's source and the vector width, and
+    what ``objects.cache_key`` adds (toolchain, host CPU, pass options)."""
+    k = kernel
+    ir_form = repr((k.name, k.params, k.grid, k.block, k.body, k.shared, k.local))
+    return cache_key(f"kernel-ir {_lowering_fingerprint()} {vector_bytes}\n{ir_form}", tm, options)
+
+
 def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = None,
                     options: PassOptions = DEFAULT_OPTIONS) -> CpuModule:
     """Lower each kernel into its own LLVM module, optimise it at O3 and load the machine code.
 
-    Objects come from the on-disk cache or are compiled on all cores (``codegen.objects``).
-    ``check_races`` (default: the ``SEXTANT_CHECK_RACES`` environment variable) compiles the
-    checked variant: launches raise ``race_check.KernelCheckError`` on a shared-memory race, an
-    out-of-bounds access or a divergent warp reduction."""
+    Objects come from the on-disk cache, keyed by the kernel IR, or are generated and compiled
+    on all cores (``codegen.objects``). ``check_races`` (default: the ``SEXTANT_CHECK_RACES``
+    environment variable) compiles the checked variant: launches raise
+    ``race_check.KernelCheckError`` on a shared-memory race, an out-of-bounds access or a
+    divergent warp reduction."""
     if checks_enabled(check_races):
         return _compile_checked(kernels)
     tm = host_target_machine()
+    kernels = list(kernels)
     names = [k.name for k in kernels]
     if len(set(names)) != len(names):
         raise CodegenError(f"two kernels are named {next(n for n in names if names.count(n) > 1)!r}")
+    vector_bytes = host_vector_bytes()
+    texts: dict[int, str] = {}
+
+    def text(i: int) -> str:
+        if i not in texts:
+            with gc_paused():
+                texts[i] = str(emit_module([kernels[i]], tm, vector_bytes=vector_bytes))
+        return texts[i]
+
     with gc_paused():
-        texts = [str(emit_module([k], tm)) for k in kernels]
+        keys = [kernel_key(k, tm, options, vector_bytes) for k in kernels]
     with _compile_lock:  # llvmlite parses into LLVM's global context, which is not thread-safe
-        objects, cached = compile_objects(texts, tm, options)
+        objects, cached = build_objects(keys, text, tm, options, size_hint=lambda i: estimate_work(kernels[i]))
         engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm)
         for obj in objects:
             engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
         engine.finalize_object()
         addresses = {k.name: engine.get_function_address(k.name) for k in kernels}
 
-    def optimized() -> str:  # for dumps and reports only: optimised again, in this process
-        with _compile_lock:
-            return "\n".join(str(optimize(t, tm, options)) for t in texts)
+    def generated() -> str:  # for dumps, reports and tests: generated again when not at hand
+        return "\n".join(text(i) for i in range(len(kernels)))
 
-    module = CpuModule(list(kernels), addresses, keepalive=(engine, objects),
-                       llvm_ir="\n".join(texts), optimized_ir=optimized)
+    def optimized() -> str:  # ... and optimised again, in this process
+        with _compile_lock:
+            return "\n".join(str(optimize(text(i), tm, options)) for i in range(len(kernels)))
+
+    module = CpuModule(kernels, addresses, keepalive=(engine, objects), llvm_ir=generated, optimized_ir=optimized)
     module.cached_objects = cached
     return module
 

@@ -27,7 +27,7 @@ import os
 import pickle
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +69,7 @@ def cache_dir() -> Path | None:
 
 
 def cache_key(text: str, tm: llvm.TargetMachine, options: PassOptions) -> str:
+    """The key of an object compiled from LLVM IR ``text`` (the toolchain, host CPU and options too)."""
     h = hashlib.sha256()
     for part in (f"sextant-objects-{FORMAT}", llvmlite.__version__, ".".join(map(str, llvm.llvm_version_info)),
                  tm.triple, llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), repr(options), text):
@@ -103,8 +104,10 @@ def _shares(sizes: Sequence[int], n: int) -> list[list[int]]:
     return shares
 
 
-def _compile_forked(texts: list[str], tm: llvm.TargetMachine, options: PassOptions, workers: int) -> list[bytes]:
-    shares = _shares([len(t) for t in texts], workers)
+def _compile_forked(make_text: Callable[[int], str], todo: list[int], sizes: list[int], tm: llvm.TargetMachine,
+                    options: PassOptions, workers: int) -> dict[int, bytes]:
+    """Objects for the modules ``todo``; a worker also generates its modules' IR (``make_text``)."""
+    shares = [[todo[j] for j in share] for share in _shares(sizes, workers)]
     children: list[tuple[int, int, list[int]]] = []
     for share in shares[1:]:
         r, w = os.pipe()
@@ -112,19 +115,19 @@ def _compile_forked(texts: list[str], tm: llvm.TargetMachine, options: PassOptio
         if pid == 0:  # the worker: compile, send, exit without running the parent's atexit hooks
             os.close(r)
             try:
-                payload = pickle.dumps(("ok", [_compile_one(texts[i], tm, options) for i in share]))
+                payload = pickle.dumps(("ok", [_compile_one(make_text(i), tm, options) for i in share]))
             except BaseException as e:  # everything goes back to the parent
-                payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+                payload = pickle.dumps(("error", e if isinstance(e, CodegenError) else f"{type(e).__name__}: {e}"))
             with os.fdopen(w, "wb") as f:
                 f.write(payload)
             os._exit(0)
         os.close(w)
         children.append((pid, r, share))
-    out: list[bytes | None] = [None] * len(texts)
-    errors: list[str] = []
+    out: dict[int, bytes] = {}
+    errors: list[CodegenError | str] = []
     try:
         for i in shares[0]:
-            out[i] = _compile_one(texts[i], tm, options)
+            out[i] = _compile_one(make_text(i), tm, options)
     finally:
         for pid, r, share in children:
             with os.fdopen(r, "rb") as f:
@@ -134,11 +137,12 @@ def _compile_forked(texts: list[str], tm: llvm.TargetMachine, options: PassOptio
             if status != "ok":
                 errors.append(result)
                 continue
-            for i, obj in zip(share, result):
-                out[i] = obj
+            out.update(zip(share, result))
     if errors:
+        if isinstance(errors[0], CodegenError):
+            raise errors[0]
         raise CodegenError(f"compiling kernels in a worker process failed: {errors[0]}")
-    return [o for o in out if o is not None]
+    return out
 
 
 def _store(path: Path, data: bytes) -> None:
@@ -182,12 +186,13 @@ def prune(root: Path, max_bytes: int | None = None) -> None:
 DEFAULT_OPTIONS = PassOptions()
 
 
-def compile_objects(texts: Sequence[str], tm: llvm.TargetMachine, options: PassOptions = DEFAULT_OPTIONS, *,
-                    workers: int | None = None) -> tuple[list[bytes], int]:
-    """One object per module text (same order), and how many came from the cache."""
+def build_objects(keys: Sequence[str], make_text: Callable[[int], str], tm: llvm.TargetMachine,
+                  options: PassOptions = DEFAULT_OPTIONS, *, workers: int | None = None,
+                  size_hint: Callable[[int], int] | None = None) -> tuple[list[bytes], int]:
+    """One object per key (same order) and how many came from the cache; module ``i``'s LLVM IR
+    is only generated (``make_text(i)``) on a miss, in the worker that compiles it."""
     root = cache_dir()
-    keys = [cache_key(t, tm, options) for t in texts]
-    objs: list[bytes | None] = [None] * len(texts)
+    objs: list[bytes | None] = [None] * len(keys)
     if root is not None:
         for i, k in enumerate(keys):
             p = root / "objects" / k[:2] / f"{k}.o"
@@ -196,16 +201,23 @@ def compile_objects(texts: Sequence[str], tm: llvm.TargetMachine, options: PassO
                 os.utime(p)  # recently used: pruned last
     missing = [i for i, o in enumerate(objs) if o is None]
     n = min(workers if workers is not None else (os.cpu_count() or 1), len(missing))
-    todo = [texts[i] for i in missing]
     if n > 1 and len(missing) >= MIN_PARALLEL and hasattr(os, "fork") and sys.platform.startswith("linux"):
-        fresh = _compile_forked(todo, tm, options, n)
+        sizes = [size_hint(i) if size_hint else 1 for i in missing]
+        fresh = _compile_forked(make_text, missing, sizes, tm, options, n)
     else:
-        fresh = [_compile_one(t, tm, options) for t in todo]
-    for i, obj in zip(missing, fresh):
-        objs[i] = obj
+        fresh = {i: _compile_one(make_text(i), tm, options) for i in missing}
+    for i in missing:
+        objs[i] = fresh[i]
         if root is not None:
-            _store(root / "objects" / keys[i][:2] / f"{keys[i]}.o", obj)
+            _store(root / "objects" / keys[i][:2] / f"{keys[i]}.o", fresh[i])
     if root is not None and missing and root not in _pruned:  # once per process and cache
         _pruned.add(root)
         prune(root)
-    return [o for o in objs if o is not None], len(texts) - len(missing)
+    return [o for o in objs if o is not None], len(keys) - len(missing)
+
+
+def compile_objects(texts: Sequence[str], tm: llvm.TargetMachine, options: PassOptions = DEFAULT_OPTIONS, *,
+                    workers: int | None = None) -> tuple[list[bytes], int]:
+    """One object per LLVM IR text (same order), and how many came from the cache."""
+    keys = [cache_key(t, tm, options) for t in texts]
+    return build_objects(keys, lambda i: texts[i], tm, options, workers=workers, size_hint=lambda i: len(texts[i]))

@@ -72,14 +72,21 @@ class CpuModule:
     """Compiled kernels of one LLVM module, callable by name."""
 
     def __init__(self, kernels: Sequence[Kernel], addresses: dict[str, int], *, keepalive: object = None,
-                 llvm_ir: str = "", optimized_ir: str | Callable[[], str] = ""):
+                 llvm_ir: str | Callable[[], str] = "", optimized_ir: str | Callable[[], str] = ""):
         self.kernels = {k.name: k for k in kernels}
-        self.llvm_ir = llvm_ir  # as generated
-        self._optimized_ir = optimized_ir  # after O3 (a callable: made when first asked for)
+        self._llvm_ir = llvm_ir  # as generated (a callable: made when first asked for)
+        self._optimized_ir = optimized_ir  # after O3 (likewise)
         self.cached_objects = 0  # kernels whose machine code came from the on-disk cache
         self._fns: dict[str, KernelFn] = {name: _CFUNC(addr) for name, addr in addresses.items()}
         self._work = {k.name: estimate_work(k) for k in kernels}
         self._keepalive = keepalive  # the execution engine owns the machine code
+
+    @property
+    def llvm_ir(self) -> str:
+        """The LLVM IR as generated from the kernel IR (for dumps and reports)."""
+        if callable(self._llvm_ir):
+            self._llvm_ir = self._llvm_ir()
+        return self._llvm_ir
 
     @property
     def optimized_ir(self) -> str:

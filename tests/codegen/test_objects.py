@@ -92,3 +92,19 @@ def test_prune_drops_least_recently_used(tmp_path, monkeypatch):
     prune(tmp_path, max_bytes=size - 1)
     left = sorted(tmp_path.rglob("*.o"))
     assert files[0] not in left and files[-1] in left and sum(p.stat().st_size for p in left) <= 0.8 * size
+
+
+def test_kernel_keys_see_every_detail_of_the_kernel_ir():
+    from dataclasses import replace
+
+    from sextant.codegen.llvm_cpu import kernel_key
+    from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions
+
+    tm, k = host_target_machine(), scale_kernel(0)
+    key = kernel_key(k, tm, DEFAULT_OPTIONS, 64)
+    assert key == kernel_key(scale_kernel(0), tm, DEFAULT_OPTIONS, 64)
+    other_dtype = replace(k, params=(Buffer("x", DType.f16, 64), k.params[1]))
+    other_const = scale_kernel(1)
+    assert len({key, kernel_key(other_dtype, tm, DEFAULT_OPTIONS, 64), kernel_key(replace(other_const, name=k.name), tm,
+                DEFAULT_OPTIONS, 64), kernel_key(k, tm, DEFAULT_OPTIONS, 32),
+                kernel_key(k, tm, PassOptions(speed_level=2), 64)}) == 5
