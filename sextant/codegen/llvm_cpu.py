@@ -275,6 +275,7 @@ class _KernelLowering(LoweringBase):
                 raise self._fail(f"parameter {p.name} is in {p.space!r} memory, expected 'global'")
             slot = self.b.gep(args, [self._i32(i)], inbounds=True, source_etype=PTR)
             self.buffers[p.name] = (p, self.b.load(slot, name=f"arg.{p.name}", typ=PTR))
+        self._alias_scopes([p.name for p in k.params])
         for s in k.shared:
             self.buffers[s.name] = (s, self._array(mem_type(s.dtype), s.size, f"shared.{s.name}"))
         for loc in k.local:
@@ -290,6 +291,30 @@ class _KernelLowering(LoweringBase):
             self.slots[name] = self._array(reg_type(dt), n, f"r.{name}")
         if self.checker is not None:
             self.checker.preamble()
+
+    def _alias_scopes(self, names: list[str]) -> None:
+        """One alias scope per global buffer: every access says which buffer it touches and that
+        it touches none of the others. A kernel's buffers never overlap (the memory plan gives
+        each live value its own bytes, outputs are fresh), but LLVM cannot know that of pointers
+        it loads from the argument array: without this, a loop whose loads are gathers (a pad's
+        clamped index) could not get the runtime overlap checks vectorising needs, and stayed
+        scalar — UNet's pad+SiLU kernels ran at 55 ns an element."""
+        self.scopes: dict[str, tuple[ir.MDValue, ir.MDValue]] = {}
+        if len(names) < 2:
+            return
+        m = self.module
+        domain = m.add_metadata([ir.MetaDataString(m, f"sextant.{self.kernel.name}")])
+        scope = {n: m.add_metadata([ir.MetaDataString(m, f"sextant.{self.kernel.name}.{n}"), domain])
+                 for n in names}
+        for n in names:
+            self.scopes[n] = (m.add_metadata([scope[n]]), m.add_metadata([scope[o] for o in names if o != n]))
+
+    def _access(self, inst: ir.Instruction, buffer: str) -> ir.Instruction:
+        tags = self.scopes.get(buffer)
+        if tags is not None:
+            inst.set_metadata("alias.scope", tags[0])
+            inst.set_metadata("noalias", tags[1])
+        return inst
 
     def _var_ptr(self, name: str) -> ir.Value:
         slot = self.slots[name]
@@ -515,7 +540,8 @@ class _KernelLowering(LoweringBase):
         assert self.lanes is not None and self.lanes.coefficient(index) == CONTIGUOUS
         val = self.b.splat(self._lane(value), self.lanes.width)
         ptr, buf = self._lane_ptr(buffer, index, value.dtype)
-        self.b.store(self.math.to_mem(val, buf.dtype), ptr, align=_BYTES[str(mem_type(buf.dtype))])
+        self._access(self.b.store(self.math.to_mem(val, buf.dtype), ptr, align=_BYTES[str(mem_type(buf.dtype))]),
+                     buffer)
 
     def _lane(self, e: Expr) -> ir.Value:
         """``e`` for the current lanes: a scalar when it is the same in all of them, else a vector."""
@@ -538,7 +564,7 @@ class _KernelLowering(LoweringBase):
             mty = mem_type(e.dtype)
             if plan.coefficient(e.index) == CONTIGUOUS:
                 ptr, _ = self._lane_ptr(e.buffer, e.index, e.dtype)
-                raw = self.b.load(ptr, typ=ir.VectorType(mty, w), align=_BYTES[str(mty)])
+                raw = self._access(self.b.load(ptr, typ=ir.VectorType(mty, w), align=_BYTES[str(mty)]), e.buffer)
             else:  # a gather, lane by lane
                 idx = self.b.splat(self._lane(e.index), w)
                 raw = ir.Constant(ir.VectorType(mty, w), ir.Undefined)
@@ -547,7 +573,7 @@ class _KernelLowering(LoweringBase):
                     buf, ptr = self._elem_ptr(e.buffer, self.b.extract_element(idx, at))
                     if buf.dtype != e.dtype:
                         raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
-                    raw = self.b.insert_element(raw, self.b.load(ptr, typ=mty), at)
+                    raw = self.b.insert_element(raw, self._access(self.b.load(ptr, typ=mty), e.buffer), at)
             return m.from_mem(raw, e.dtype)
         if isinstance(e, Unary):
             self._check_type(e.op, [e.a.dtype], e.dtype)

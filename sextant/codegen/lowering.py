@@ -72,6 +72,10 @@ class LoweringBase:
     def _store_index(self, buffer: str, index: ir.Value) -> ir.Value:
         return index
 
+    def _access(self, inst: ir.Instruction, buffer: str) -> ir.Instruction:
+        """Called with every load and store of a buffer (the CPU tags them with alias scopes)."""
+        return inst
+
     # -- shared -------------------------------------------------------------------------------
     def _fail(self, msg: str) -> CodegenError:
         return CodegenError(f"kernel {self.kernel.name}: {msg}")
@@ -136,7 +140,7 @@ class LoweringBase:
             buf, ptr = self._elem_ptr(s.buffer, self._store_index(s.buffer, idx))
             if buf.dtype != s.value.dtype:
                 raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
-            b.store(self.math.to_mem(val, buf.dtype), ptr)
+            self._access(b.store(self.math.to_mem(val, buf.dtype), ptr), s.buffer)
         elif isinstance(s, For):
             self._for(s)
         elif isinstance(s, If):
@@ -180,7 +184,7 @@ class LoweringBase:
             buf, ptr = self._elem_ptr(e.buffer, self._load_index(e.buffer, self._value(e.index)))
             if buf.dtype != e.dtype:
                 raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
-            return m.from_mem(self.b.load(ptr, typ=mem_type(buf.dtype)), buf.dtype)
+            return m.from_mem(self._access(self.b.load(ptr, typ=mem_type(buf.dtype)), e.buffer), buf.dtype)
         if isinstance(e, Unary):
             self._check_type(e.op, [e.a.dtype], e.dtype)
             return m.unary(e.op, self._value(e.a), e.a.dtype)

@@ -159,3 +159,10 @@ class CpuModule:
                 problem = f"has {t.numel()} elements, the kernel uses {p.size}"
             if problem:
                 raise LaunchError(f"kernel {kernel.name}: buffer {p.name} {problem}")
+        # the code assumes distinct buffers (codegen's alias scopes): a written one may overlap none
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p) for p, t in zip(kernel.params, buffers)]
+        for i, (lo, hi, p) in enumerate(spans):
+            for lo2, hi2, q in spans[i + 1:]:
+                if lo < hi2 and lo2 < hi and "out" in p.role + q.role:
+                    raise LaunchError(f"kernel {kernel.name}: buffers {p.name} and {q.name} overlap in memory, "
+                                      f"and one of them is written")

@@ -47,6 +47,8 @@ class NativeRunner:
         parallel = []
         for launch in program.launches:
             k = program.kernels[launch.kernel]
+            if len(set(launch.args)) != len(launch.args):  # codegen's alias scopes promise distinct buffers
+                raise LaunchError(f"kernel {k.name} is launched with one buffer in two parameters")
             if len(launch.args) > MAX_ARGS:
                 raise LaunchError(f"kernel {k.name} takes {len(launch.args)} buffers; the executor passes at most "
                                   f"{MAX_ARGS}")

@@ -165,3 +165,16 @@ def test_registers_after_the_loop_hold_the_last_lane(monkeypatch):
     vec, scalar = run_both(kernel, {"x": x}, {"y": torch.zeros(16), "last": torch.zeros(1)}, monkeypatch)
     torch.testing.assert_close(vec["y"], x * 3)
     assert vec["last"].item() == scalar["last"].item() == pytest.approx(x[15].item() * 3 + 15)
+
+
+def test_buffers_carry_alias_scopes_and_overlapping_writes_are_refused():
+    from sextant.runtime.cpu import LaunchError
+
+    k = one_block("copy", (Buffer("x", F32, 16), Buffer("y", F32, 16, role="out")),
+                  (unrolled((Store("y", U, Load("x", U, F32)),), 16),))
+    text = str(emit_module([k]))
+    assert text.count("!alias.scope") == 2 and text.count("!noalias") == 2
+    m = compile_kernels([k])
+    t = torch.randn(24)
+    with pytest.raises(LaunchError, match="overlap"):
+        m.launch("copy", [t[:16], t[8:]])
