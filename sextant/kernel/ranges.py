@@ -507,6 +507,8 @@ def loop_range(loop: For, env: Env | Facts) -> Interval | bool | None:
         hi = t[1] - 1
         if s[0] == s[1]:
             hi = s[0] + (hi - s[0]) // step * step
+        elif (span := _span(loop)) is not None:  # stop = start + span: at most span - 1 past start
+            hi = min(hi, s[1] + (span - 1) // step * step)
         return (s[0], hi)
     if s[1] <= t[0]:
         return False
@@ -516,6 +518,17 @@ def loop_range(loop: For, env: Env | Facts) -> Interval | bool | None:
     if s[0] == s[1]:
         lo = s[0] - (s[0] - lo) // -step * -step
     return (lo, s[1])
+
+
+def _span(loop: For) -> int | None:
+    """``k`` when the loop runs from ``start`` to ``start + k`` (a tile of ``k`` from a variable
+    origin): its variable then stays within ``k - 1`` of the origin, which the intervals of
+    ``start`` and ``stop`` alone do not say."""
+    stop = loop.stop
+    if isinstance(stop, Binary) and stop.op == "add" and stop.a == loop.start and isinstance(stop.b, Const) \
+            and isinstance(stop.b.value, int) and not isinstance(stop.b.value, bool) and stop.b.value > 0:
+        return stop.b.value
+    return None
 
 
 def _warp_bounds(s: WarpReduce, env: Env) -> Interval | None:

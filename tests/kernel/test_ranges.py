@@ -250,6 +250,9 @@ def test_loop_variable_ranges() -> None:
     assert loop_range(For(k, c(10), c(0), -3, ()), {}) == (1, 10)
     assert loop_range(For(k, c(5), c(5), 1, ()), {}) is False
     assert loop_range(For(k, TID, c(300), 64, ()), {TID: (0, 63)}) == (0, 299)
+    # a tile from a variable origin: at most the tile's last step past the origin's maximum
+    origin = mul(BID, c(128))
+    assert loop_range(For(k, origin, add(origin, c(128)), 8, ()), {BID: (0, 3)}) == (0, 504)
     assert loop_range(For(k, c(0), X, 1, ()), {}) is None
     assert loop_range(For(k, c(0), X, 1, (Assign(X, c(3)),)), {X: (1, 5)}) is None  # body moves the bound
     kern = _kernel(For(k, c(0), c(8), 1, (For(j, k, c(8), 2, (Store("a", add(mul(k, c(8)), j), f(0)),)),)))
