@@ -63,22 +63,34 @@ _CMP = {
 
 
 # -- integer helpers ---------------------------------------------------------------------------
-def int_range(dtype: DType) -> Interval:
-    """All values of an integer or bool type."""
+def _type_range(dtype: DType) -> Interval:
     if dtype == DType.bool:
         return (0, 1)
     bits = 8 * dtype.itemsize
     return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
 
 
+# per type, computed once: range analysis asks for these on every node it bounds
+_RANGE = {dt: _type_range(dt) for dt in DType}
+_INTLIKE_SET = frozenset(_INTLIKE)
+
+
+def int_range(dtype: DType) -> Interval:
+    """All values of an integer or bool type."""
+    return _RANGE[dtype]
+
+
 def is_intlike(dtype: DType) -> bool:
-    return dtype.is_int or dtype == DType.bool
+    return dtype in _INTLIKE_SET
 
 
 def wrap(v: int, dtype: DType) -> int:
     """``v`` reduced to ``dtype`` the way two's complement hardware does."""
     if dtype == DType.bool:
         return int(bool(v))
+    lo, hi = _RANGE[dtype]
+    if type(v) is int and lo <= v <= hi:  # the common case: nothing to wrap
+        return v
     bits = 8 * dtype.itemsize
     v &= (1 << bits) - 1
     return v - (1 << bits) if v >> (bits - 1) else v
@@ -777,6 +789,10 @@ def cast_value(v: Value, src: DType, dst: DType) -> Value:
     return _float(v, holder).to(dst.torch).item()
 
 
+Load_ = Callable[[str, int], Value]
+Compiled = Callable[[Mapping[str, Value], Load_ | None], Value]
+
+
 def eval_expr(expr: Expr, values: Mapping[str, Value] | None = None,
               load: Callable[[str, int], Value] | None = None) -> Value:
     """The value of ``expr`` for one thread, with the graph IR's op semantics.
@@ -785,42 +801,104 @@ def eval_expr(expr: Expr, values: Mapping[str, Value] | None = None,
     ``load(buffer, index)`` reads memory. Integers wrap like the hardware; floats are computed
     by torch on scalars of the exact dtype (like the reference executor). Raises
     :class:`Undefined` or :class:`Unknown` (see there)."""
-    values = values or {}
+    return compile_expr(expr)(values or {}, load)
 
-    def ev(e: Expr) -> Value:
-        if isinstance(e, Const):
-            if e.dtype == DType.bool:
-                return bool(e.value)
-            if e.dtype.is_int:
-                return wrap(int(e.value), e.dtype)
-            return _float(e.value, e.dtype).item()
-        if isinstance(e, Var | Special):
-            key = e.name if isinstance(e, Var) else f"{e.kind}.{e.axis}"
+
+def compile_expr(expr: Expr) -> Compiled:
+    """``expr`` as a closure ``f(values, load)`` computing what :func:`eval_expr` does, in the same
+    order (so the same error is raised first). The verifier's witness search evaluates the same
+    few expressions for thousands of threads and loop iterations: dispatching on every node's
+    type each time was most of its cost."""
+    if isinstance(expr, Binary):
+        return _compile_binary(expr)
+    if isinstance(expr, Var | Special):
+        key = expr.name if isinstance(expr, Var) else f"{expr.kind}.{expr.axis}"
+
+        def var(values: Mapping[str, Value], load: Load_ | None) -> Value:
             if key not in values:
                 raise Unknown(key)
             return values[key]
-        if isinstance(e, Load):
-            i = ev(e.index)
-            if load is None:
-                raise Unknown(f"{e.buffer}[{i}]")
-            return load(e.buffer, i)
-        if isinstance(e, Select):
-            c, a, b = ev(e.cond), ev(e.a), ev(e.b)  # both sides are evaluated, as on the GPU
-            return a if c else b
-        if isinstance(e, Cast):
-            return cast_value(ev(e.a), e.a.dtype, e.dtype)
-        if isinstance(e, Unary):
-            a = ev(e.a)
-            if is_intlike(e.a.dtype):
-                return int_unary(e.op, int(a), e.a.dtype)
-            return _UNARY[e.op](_float(a, e.a.dtype)).item()
-        if isinstance(e, Binary):
-            a, b = ev(e.a), ev(e.b)
-            if is_intlike(e.a.dtype):
-                return int_binary(e.op, int(a), int(b), e.a.dtype)
-            fa, fb = _float(a, e.a.dtype), _float(b, e.b.dtype)
-            fn = _BINARY[e.op] if e.op != "div" else lambda x, y: torch.div(x, y)
-            return fn(fa, fb).item()
-        raise TypeError(f"not an expression: {e!r}")
 
-    return ev(expr)
+        return var
+    if isinstance(expr, Const):
+        dt = expr.dtype
+        value: Value = bool(expr.value) if dt == DType.bool else wrap(int(expr.value), dt) if dt.is_int \
+            else _float(expr.value, dt).item()
+        return lambda values, load: value
+    if isinstance(expr, Load):
+        index, buf = compile_expr(expr.index), expr.buffer
+
+        def load_(values: Mapping[str, Value], load: Load_ | None) -> Value:
+            i = index(values, load)
+            if load is None:
+                raise Unknown(f"{buf}[{i}]")
+            return load(buf, i)
+
+        return load_
+    if isinstance(expr, Select):
+        fc, fa, fb = compile_expr(expr.cond), compile_expr(expr.a), compile_expr(expr.b)
+
+        def select(values: Mapping[str, Value], load: Load_ | None) -> Value:
+            c, a, b = fc(values, load), fa(values, load), fb(values, load)  # both sides, as on the GPU
+            return a if c else b
+
+        return select
+    if isinstance(expr, Cast):
+        fa, src, dst = compile_expr(expr.a), expr.a.dtype, expr.dtype
+        return lambda values, load: cast_value(fa(values, load), src, dst)
+    if isinstance(expr, Unary):
+        fa, op, src = compile_expr(expr.a), expr.op, expr.a.dtype
+        if is_intlike(src):
+            return lambda values, load: int_unary(op, int(fa(values, load)), src)
+        fn = _UNARY[op]
+        return lambda values, load: fn(_float(fa(values, load), src)).item()
+    raise TypeError(f"not an expression: {expr!r}")
+
+
+def _compile_binary(e: Binary) -> Compiled:
+    fa, fb, dt = compile_expr(e.a), compile_expr(e.b), e.a.dtype
+    if not is_intlike(dt):
+        da, db = e.a.dtype, e.b.dtype
+        fn = _BINARY[e.op] if e.op != "div" else lambda x, y: torch.div(x, y)
+
+        def floats(values: Mapping[str, Value], load: Load_ | None) -> Value:
+            a, b = fa(values, load), fb(values, load)
+            return fn(_float(a, da), _float(b, db)).item()
+
+        return floats
+    op = _int_op(e.op, dt)
+
+    def ints(values: Mapping[str, Value], load: Load_ | None) -> Value:
+        a, b = fa(values, load), fb(values, load)
+        return op(int(a), int(b))
+
+    return ints
+
+
+_WRAPPING = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+             "maximum": max, "minimum": min, "bitwise_and": lambda a, b: a & b,
+             "bitwise_or": lambda a, b: a | b, "bitwise_xor": lambda a, b: a ^ b}
+
+
+def _int_op(op: str, dt: DType) -> Callable[[int, int], Value]:
+    """:func:`int_binary` for one op and type, with the common index ops inlined."""
+    if op in _CMP:
+        return _CMP[op]
+    if dt != DType.bool and op in _WRAPPING:
+        f, (lo, hi) = _WRAPPING[op], _RANGE[dt]
+
+        def wrapping(a: int, b: int) -> Value:
+            r = f(a, b)
+            return r if lo <= r <= hi else wrap(r, dt)
+
+        return wrapping
+    if dt != DType.bool and op in ("shl", "shr"):
+        bits = 8 * dt.itemsize
+
+        def shift(a: int, b: int) -> Value:
+            if not 0 <= b < bits:
+                raise Undefined(f"{op} by {b}")
+            return wrap(a << b if op == "shl" else a >> b, dt)
+
+        return shift
+    return lambda a, b: int_binary(op, a, b, dt)

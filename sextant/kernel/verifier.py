@@ -54,14 +54,16 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.printer import print_expr, stmt_header
 from sextant.kernel.ranges import (
+    Compiled,
     Env,
     EvalError,
     Ranges,
     Unknown,
+    Value,
     assigned_names,
     bounds,
     children,
-    eval_expr,
+    compile_expr,
     int_range,
     refine,
 )
@@ -115,6 +117,7 @@ class _Verifier:
         self.var_types: dict[str, DType] = {}
         self.scalars = frozenset(scalars)
         self.div: _Divergence | None = None
+        self.exec: _Exec | None = None  # compiled statements, shared by the witness searches
 
     def fail(self, where: Stmt | None, msg: str) -> None:
         self.errors.append(f"`{stmt_header(where)}`: {msg}" if where is not None else msg)
@@ -317,7 +320,9 @@ class _Verifier:
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is always out of bounds: its index is in "
                          f"[{b[0]}, {b[1]}], but {buf!r} has {size} elements")
             return
-        found = _Witness(self.k, path, idx, size).search()
+        if self.exec is None:
+            self.exec = _Exec()
+        found = _Witness(self.k, path, idx, size, self.exec).search()
         if found is not None:
             value, where = found
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is out of bounds: index {value} at {where}, "
@@ -470,6 +475,52 @@ _MAX_THREADS_EXHAUSTIVE = 1024
 _MAX_WORK = 50_000  # statements executed per access searched: keeps verification fast on big kernels
 
 
+class _Exec:
+    """Runs statements for one thread: expressions compiled once (:func:`compile_expr`) and each
+    loop's or branch's assigned registers computed once, for every search in a kernel.
+
+    Keyed by ``id`` of the kernel's own nodes, which the kernel keeps alive while it is verified."""
+
+    def __init__(self) -> None:
+        self._exprs: dict[int, tuple[Expr, Compiled]] = {}
+        self._assigned: dict[int, tuple[tuple[Stmt, ...], frozenset[str]]] = {}
+
+    def eval(self, e: Expr, vals: dict) -> Value:
+        hit = self._exprs.get(id(e))
+        if hit is None:
+            hit = self._exprs[id(e)] = (e, compile_expr(e))
+        return hit[1](vals, None)
+
+    def assigned(self, stmts: tuple[Stmt, ...]) -> frozenset[str]:
+        hit = self._assigned.get(id(stmts))
+        if hit is None:
+            hit = self._assigned[id(stmts)] = (stmts, frozenset(assigned_names(stmts)))
+        return hit[1]
+
+    def run(self, s: Stmt, vals: dict) -> None:
+        """Execute ``s`` as far as it is known (memory is not modelled)."""
+        if isinstance(s, Assign):
+            try:
+                vals[s.var.name] = self.eval(s.value, vals)
+            except EvalError:
+                vals.pop(s.var.name, None)
+        elif isinstance(s, WarpReduce):
+            vals.pop(s.var.name, None)
+        elif isinstance(s, If):
+            try:
+                body = s.then if self.eval(s.cond, vals) else s.orelse
+            except EvalError:
+                for name in self.assigned(s.then) | self.assigned(s.orelse):
+                    vals.pop(name, None)
+                return
+            for inner in body:
+                self.run(inner, vals)
+        elif isinstance(s, For):
+            vals.pop(s.var.name, None)
+            for name in self.assigned(s.body):
+                vals.pop(name, None)
+
+
 class _Witness:
     """Looks for one thread (and loop iterations) that reaches an access with a bad index.
 
@@ -477,8 +528,9 @@ class _Witness:
     it cannot know (from loads, warp reductions, earlier iterations of a loop) become unknown,
     and a path through an unknown condition is abandoned — so a witness is always real."""
 
-    def __init__(self, kernel: Kernel, path: tuple, index: Expr, size: int) -> None:
+    def __init__(self, kernel: Kernel, path: tuple, index: Expr, size: int, ex: _Exec | None = None) -> None:
         self.k, self.path, self.index, self.size = kernel, path, index, size
+        self.ex = ex if ex is not None else _Exec()
         self.runs = 0  # accesses evaluated
         self.unknown = 0  # ... of which needed an unknown value
         self.work = 0  # statements executed
@@ -513,13 +565,14 @@ class _Witness:
     def frame(self, depth: int, vals: dict, loops: list[str]) -> tuple[int, list[str]] | None:
         stmts, pos, branch = self.path[depth]
         self.work += pos + 1
+        ex = self.ex
         for s in stmts[:pos]:
-            _run(s, vals)
+            ex.run(s, vals)
         s = stmts[pos]
         if depth == len(self.path) - 1:
             self.runs += 1
             try:
-                i = eval_expr(self.index, vals)
+                i = ex.eval(self.index, vals)
             except Unknown:
                 self.unknown += 1
                 return None
@@ -528,13 +581,13 @@ class _Witness:
             return (i, loops) if not 0 <= i < self.size else None
         if isinstance(s, If):
             try:
-                taken = bool(eval_expr(s.cond, vals))
+                taken = bool(ex.eval(s.cond, vals))
             except EvalError:
                 return None
             return self.frame(depth + 1, vals, loops) if taken == branch else None
         assert isinstance(s, For)
         try:
-            start, stop = eval_expr(s.start, vals), eval_expr(s.stop, vals)
+            start, stop = ex.eval(s.start, vals), ex.eval(s.stop, vals)
         except EvalError:
             return None
         iters = range(start, stop, s.step)
@@ -542,33 +595,10 @@ class _Witness:
         for j in picks:
             inner = dict(vals)
             if j > 0:  # registers the body changes hold values of earlier iterations
-                for name in assigned_names(s.body):
+                for name in ex.assigned(s.body):
                     inner.pop(name, None)
             inner[s.var.name] = iters[j]
             found = self.frame(depth + 1, inner, loops + [f"{s.var.name}={iters[j]}"])
             if found is not None or self.work >= _MAX_WORK:
                 return found
         return None
-
-
-def _run(s: Stmt, vals: dict) -> None:
-    """Execute ``s`` for one thread as far as it is known (memory is not modelled)."""
-    if isinstance(s, Assign):
-        try:
-            vals[s.var.name] = eval_expr(s.value, vals)
-        except EvalError:
-            vals.pop(s.var.name, None)
-    elif isinstance(s, WarpReduce):
-        vals.pop(s.var.name, None)
-    elif isinstance(s, If):
-        try:
-            body = s.then if eval_expr(s.cond, vals) else s.orelse
-        except EvalError:
-            for name in assigned_names(s.then) | assigned_names(s.orelse):
-                vals.pop(name, None)
-            return
-        for inner in body:
-            _run(inner, vals)
-    elif isinstance(s, For):
-        for name in assigned_names(s.body) | {s.var.name}:
-            vals.pop(name, None)
