@@ -21,8 +21,10 @@ register. :func:`eval_expr` is the concrete counterpart, used by tests and the v
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -184,24 +186,42 @@ class Env:
     ``mentioned`` is a superset of the registers named inside a fact that is not about a lone
     register, or inside a def's value: forgetting a register outside it (the first assignment
     of a fresh register, the common case) touches only that register's own entries instead of
-    scanning every fact, which made range analysis quadratic in a kernel's length."""
+    scanning every fact, which made range analysis quadratic in a kernel's length.
+
+    ``memo`` holds the intervals of compound expressions computed under the current facts (by
+    ``id``, the expression kept alive beside its interval): the simplifier bounds every node
+    of an expression bottom-up, and without it each call re-bounded the whole subtree. Every
+    change to the facts drops it."""
 
     facts: dict[Expr, Interval] = field(default_factory=dict)
     defs: dict[str, Expr] = field(default_factory=dict)
     mentioned: set[str] | None = field(default=None, repr=False, compare=False)  # None: not computed yet
     undo: list[tuple[Expr, Interval | None]] | None = field(default=None, repr=False, compare=False)
+    memo: dict[int, tuple[Expr, Interval | None]] | None = field(default=None, repr=False, compare=False)
+    # the registers each fact key or def value reads, by ``id`` (the expression kept alive beside
+    # them), shared by every copy: forgetting a register tests each fact, so they were recomputed
+    # for every loop left and every register reassigned
+    reads: dict[int, tuple[Expr, frozenset[str]]] = field(default_factory=dict, repr=False, compare=False)
 
     def copy(self) -> Env:
-        return Env(dict(self.facts), dict(self.defs), None if self.mentioned is None else set(self.mentioned))
+        return Env(dict(self.facts), dict(self.defs), None if self.mentioned is None else set(self.mentioned),
+                   reads=self.reads)
+
+    def free_names(self, e: Expr) -> frozenset[str]:
+        """:func:`free_names` of ``e``, computed once per expression."""
+        hit = self.reads.get(id(e))
+        if hit is None:
+            hit = self.reads[id(e)] = (e, free_names(e))
+        return hit[1]
 
     def names(self) -> set[str]:
         if self.mentioned is None:
             self.mentioned = set()
             for k in self.facts:
                 if not isinstance(k, Var | Special):
-                    self.mentioned |= free_names(k)
+                    self.mentioned |= self.free_names(k)
             for v in self.defs.values():
-                self.mentioned |= free_names(v)
+                self.mentioned |= self.free_names(v)
         return self.mentioned
 
     def set(self, key: Expr, value: Interval) -> None:
@@ -209,13 +229,14 @@ class Env:
         if self.undo is not None:
             self.undo.append((key, self.facts.get(key)))
         self.facts[key] = value
+        self.memo = None
         if self.mentioned is not None and not isinstance(key, Var | Special):
-            self.mentioned |= free_names(key)
+            self.mentioned |= self.free_names(key)
 
     def define(self, name: str, value: Expr) -> None:
         self.defs[name] = value
         if self.mentioned is not None:
-            self.mentioned |= free_names(value)
+            self.mentioned |= self.free_names(value)
 
 
 def _facts(env: Env | Facts | None) -> Facts:
@@ -227,15 +248,27 @@ def _facts(env: Env | Facts | None) -> Facts:
 def bounds(expr: Expr, env: Env | Facts | None = None) -> Interval | None:
     """A sound interval of the integer/bool ``expr`` given ``env``; ``None`` when unknown (and
     for float expressions)."""
-    facts = _facts(env)
-    known = facts.get(expr)
     if isinstance(expr, Var | Special):
+        known = _facts(env).get(expr)
         if known is None and expr.dtype == DType.bool:
             return (0, 1)
         return known
     if not is_intlike(expr.dtype):
         return None
-    return intersect(_compute(expr, env if isinstance(env, Env) else Env(dict(facts))), known)
+    if isinstance(expr, Const):
+        return _compute(expr, env)  # type: ignore[arg-type]  # a constant reads no facts
+    if not isinstance(env, Env):
+        env = Env(dict(_facts(env)))
+    memo = env.memo
+    if memo is None:
+        memo = env.memo = {}
+    else:
+        hit = memo.get(id(expr))
+        if hit is not None:
+            return hit[1]
+    out = intersect(_compute(expr, env), env.facts.get(expr))
+    memo[id(expr)] = (expr, out)  # valid: a trial assumption inside _compute restored the facts
+    return out
 
 
 def _operand(e: Expr, env: Env) -> Interval | None:
@@ -402,6 +435,7 @@ def _assumed(env: Env, cond: Expr, truth: bool, fn: Callable[[], Interval | None
     undone afterwards, so bounding a ``Select`` costs what its condition implies, not the
     size of the environment."""
     outer, env.undo = env.undo, []
+    memo = env.memo  # intervals under the facts without the assumption: valid again afterwards
     try:
         ok = _assume(env, cond, truth, 0)
         return (True, fn()) if ok else (False, None)
@@ -412,6 +446,7 @@ def _assumed(env: Env, cond: Expr, truth: bool, fn: Callable[[], Interval | None
             else:
                 env.facts[key] = old
         env.undo = outer
+        env.memo = memo
 
 
 def _assume(env: Env, c: Expr, truth: bool, depth: int) -> bool:
@@ -500,10 +535,10 @@ def special_ranges(kernel: Kernel) -> dict[Expr, Interval]:
     return out
 
 
-def loop_range(loop: For, env: Env | Facts) -> Interval | bool | None:
+def loop_range(loop: For, env: Env | Facts, assigned: Collection[str] | None = None) -> Interval | bool | None:
     """The values the loop variable takes: an interval, ``None`` (unknown) or ``False`` when the
-    loop provably runs no iteration."""
-    assigned = assigned_names(loop.body) | {loop.var.name}
+    loop provably runs no iteration. ``assigned``: the registers the loop writes, if known."""
+    assigned = assigned if assigned is not None else assigned_names(loop.body) | {loop.var.name}
     if (free_names(loop.start) | free_names(loop.stop)) & assigned or loop.step == 0:
         return None  # bounds the body changes: no stable interval
     s, t = bounds(loop.start, env), bounds(loop.stop, env)
@@ -554,6 +589,12 @@ def _warp_bounds(s: WarpReduce, env: Env) -> Interval | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _register_keys(name: str) -> tuple[Var, ...]:
+    """The fact keys a register ``name`` can have (one per integer-like type)."""
+    return tuple(Var(name, dt) for dt in _INTLIKE)
+
+
 class Ranges:
     """How the facts change through a kernel's statements. ``base`` holds facts valid at every
     point (launch coordinates, register ranges); a register reassigned or a loop re-entered
@@ -562,6 +603,7 @@ class Ranges:
     def __init__(self, base: Mapping[Expr, Interval]) -> None:
         self.base = dict(base)
         self._base_vars: dict[str, list[Var]] = {}  # the registers ``base`` bounds, by name
+        self._assigned: dict[int, tuple[tuple[Stmt, ...], str, frozenset[str]]] = {}
         for k in self.base:
             if isinstance(k, Var):
                 self._base_vars.setdefault(k.name, []).append(k)
@@ -574,25 +616,40 @@ class Ranges:
     def entry(self) -> Env:
         return Env(dict(self.base))
 
-    def forget(self, env: Env, names: set[str]) -> Env:
+    def forget(self, env: Env, names: AbstractSet[str]) -> Env:
         """Drop what is known about values that read the registers ``names``; updates ``env``
         in place and returns it (callers that need the old facts copy first)."""
         if not names:
             return env
         facts, defs = env.facts, env.defs
-        if names & env.names():  # some fact or def reads them: scan (and recompute ``mentioned``)
-            kept = {k: v for k, v in facts.items() if not (free_names(k) & names)}
+        env.memo = None
+        if not names.isdisjoint(env.names()):  # some fact or def reads them: scan, recompute ``mentioned``
+            free, mentioned = env.free_names, set()
+            kept = {}
+            for k, v in facts.items():
+                if isinstance(k, Var):
+                    if k.name not in names:
+                        kept[k] = v
+                elif isinstance(k, Special):
+                    kept[k] = v
+                elif names.isdisjoint(reads := free(k)):
+                    kept[k] = v
+                    mentioned |= reads
             facts.clear()
             facts.update(kept)
-            kept_defs = {k: v for k, v in defs.items() if k not in names and not (free_names(v) & names)}
+            kept_defs = {}
+            for k, v in defs.items():
+                if k not in names and names.isdisjoint(reads := free(v)):
+                    kept_defs[k] = v
+                    mentioned |= reads
             defs.clear()
             defs.update(kept_defs)
-            env.mentioned = None
+            env.mentioned = mentioned
         else:  # only the registers' own entries can mention them
             for name in names:
                 defs.pop(name, None)
-                for dt in _INTLIKE:
-                    facts.pop(Var(name, dt), None)
+                for key in _register_keys(name):
+                    facts.pop(key, None)
         for name in names:
             for k in self._base_vars.get(name, ()):
                 facts[k] = self.base[k]
@@ -607,23 +664,34 @@ class Ranges:
         b = intersect(self.base.get(var), b)
         if b is not None:
             out.facts[var] = b
-        if value is not None and not contains_load(value) and var.name not in free_names(value):
+            out.memo = None
+        if value is not None and not contains_load(value) and var.name not in out.free_names(value):
             out.define(var.name, value)
         return out
 
     def enter_loop(self, env: Env, loop: For) -> Env | None:
         """Facts at the top of any iteration; ``None`` if the loop never runs."""
-        r = loop_range(loop, env)
+        r = loop_range(loop, env, self.assigned(loop))
         if r is False:
             return None
-        out = self.forget(env.copy(), assigned_names(loop.body) | {loop.var.name})
+        out = self.forget(env.copy(), self.assigned(loop))
         if r is not None:
             out.facts[loop.var] = r  # type: ignore[assignment]
+            out.memo = None
         return out
 
     def leave_loop(self, env: Env, loop: For) -> Env:
         """The facts after the loop (``env``, the facts before it, is updated in place)."""
-        return self.forget(env, assigned_names(loop.body) | {loop.var.name})
+        return self.forget(env, self.assigned(loop))
+
+    def assigned(self, loop: For) -> frozenset[str]:
+        """The registers ``loop`` writes, its variable included: computed once per loop body (each
+        walk asks three times per loop, and the walk of an outer loop covers the inner ones)."""
+        hit = self._assigned.get(id(loop.body))
+        if hit is None or hit[1] != loop.var.name:
+            names = frozenset(assigned_names(loop.body) | {loop.var.name})
+            hit = self._assigned[id(loop.body)] = (loop.body, loop.var.name, names)
+        return hit[2]
 
     def join(self, a: Env | None, b: Env | None) -> Env | None:
         """Facts after control flow merges from two points (``None``: unreachable)."""
@@ -631,7 +699,7 @@ class Ranges:
             return b if a is None else a
         facts = {k: h for k, v in a.facts.items() if k in b.facts and (h := hull(v, b.facts[k])) is not None}
         defs = {k: v for k, v in a.defs.items() if b.defs.get(k) == v}
-        return Env(facts, defs)
+        return Env(facts, defs, reads=a.reads)
 
     def walk(self, body: Iterable[Stmt], env: Env | None,
              visit: Callable[[Stmt, Env], None] | None = None) -> Env | None:
