@@ -202,10 +202,13 @@ class Env:
     # them), shared by every copy: forgetting a register tests each fact, so they were recomputed
     # for every loop left and every register reassigned
     reads: dict[int, tuple[Expr, frozenset[str]]] = field(default_factory=dict, repr=False, compare=False)
+    # when not None, collects the registers looked up and not found, in this env and its copies
+    # (see register_ranges)
+    misses: set[str] | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> Env:
         return Env(dict(self.facts), dict(self.defs), None if self.mentioned is None else set(self.mentioned),
-                   reads=self.reads)
+                   reads=self.reads, misses=self.misses)
 
     def free_names(self, e: Expr) -> frozenset[str]:
         """:func:`free_names` of ``e``, computed once per expression."""
@@ -250,8 +253,11 @@ def bounds(expr: Expr, env: Env | Facts | None = None) -> Interval | None:
     for float expressions)."""
     if isinstance(expr, Var | Special):
         known = _facts(env).get(expr)
-        if known is None and expr.dtype == DType.bool:
-            return (0, 1)
+        if known is None:
+            if isinstance(env, Env) and env.misses is not None and isinstance(expr, Var):
+                env.misses.add(expr.name)
+            if expr.dtype == DType.bool:
+                return (0, 1)
         return known
     if not is_intlike(expr.dtype):
         return None
@@ -699,7 +705,7 @@ class Ranges:
             return b if a is None else a
         facts = {k: h for k, v in a.facts.items() if k in b.facts and (h := hull(v, b.facts[k])) is not None}
         defs = {k: v for k, v in a.defs.items() if b.defs.get(k) == v}
-        return Env(facts, defs, reads=a.reads)
+        return Env(facts, defs, reads=a.reads, misses=a.misses)
 
     def walk(self, body: Iterable[Stmt], env: Env | None,
              visit: Callable[[Stmt, Env], None] | None = None) -> Env | None:
@@ -737,7 +743,11 @@ def register_ranges(kernel: Kernel, base: Mapping[Expr, Interval]) -> dict[Expr,
 
     Computed bottom-up: a register is bounded once all of its assignments are bounded using
     only registers already bounded, so a register that feeds itself (``acc = acc + 1``) stays
-    unknown instead of getting a too-narrow interval."""
+    unknown instead of getting a too-narrow interval.
+
+    A walk with the registers bounded so far differs from the last one only where the last one
+    looked a newly bounded register up and did not find it, so the walk that would only confirm
+    the fixed point is skipped when no such lookup happened (for most kernels: the second)."""
     loop_vars: set[str] = set()
 
     def loops(stmts: Iterable[Stmt]) -> None:
@@ -753,17 +763,20 @@ def register_ranges(kernel: Kernel, base: Mapping[Expr, Interval]) -> dict[Expr,
     resolved: dict[Expr, Interval] = {}
     while True:
         new: dict[Expr, Interval] = {}
-        for v, ivs in _assigned_bounds(kernel, Ranges(dict(base) | resolved)).items():
+        misses: set[str] = set()
+        for v, ivs in _assigned_bounds(kernel, Ranges(dict(base) | resolved), misses).items():
             if v.name in loop_vars or v in resolved or not is_intlike(v.dtype) or any(i is None for i in ivs):
                 continue
             new[v] = (min(i[0] for i in ivs), max(i[1] for i in ivs))  # type: ignore[index]
-        if not new:
-            return resolved
         resolved.update(new)
+        if not any(v.name in misses for v in new):  # the next walk would find what this one did
+            return resolved
 
 
-def _assigned_bounds(kernel: Kernel, walker: Ranges) -> dict[Var, list[Interval | None]]:
-    """The interval of every value assigned to each register (``None``: unknown)."""
+def _assigned_bounds(kernel: Kernel, walker: Ranges,
+                     misses: set[str] | None = None) -> dict[Var, list[Interval | None]]:
+    """The interval of every value assigned to each register (``None``: unknown); ``misses``
+    collects the registers the walk looked up without finding them."""
     seen: dict[Var, list[Interval | None]] = {}
     types: dict[str, Var] = {}
 
@@ -775,7 +788,9 @@ def _assigned_bounds(kernel: Kernel, walker: Ranges) -> dict[Var, list[Interval 
                 seen[s.var].append(None)
                 seen.setdefault(types[s.var.name], []).append(None)
 
-    walker.walk(kernel.body, walker.entry(), visit)
+    env = walker.entry()
+    env.misses = misses
+    walker.walk(kernel.body, env, visit)
     return seen
 
 
