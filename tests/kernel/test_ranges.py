@@ -11,6 +11,7 @@ import torch
 
 from sextant.graph.dtypes import DType
 from sextant.graph.reference import _BINARY, _UNARY
+from sextant.kernel import ranges
 from sextant.kernel.ir import (
     Assign,
     Binary,
@@ -43,6 +44,8 @@ from sextant.kernel.ranges import (
     int_range,
     loop_range,
     refine,
+    register_ranges,
+    special_ranges,
 )
 
 from .samples import BID, BOOL, F32, I32, TID, b, elementwise, f, v
@@ -278,6 +281,23 @@ def test_registers_from_assignments() -> None:
     assert bounds(acc, env) is None  # feeds itself: not bounded by its first value
     base = Ranges.for_kernel(kern).base
     assert base[i] == (0, 255) and base[n] == (3, 10) and acc not in base
+
+
+def test_register_ranges_walk_again_where_a_new_bound_was_missing() -> None:
+    # after the loop, ``a`` is known only from its register range: the first walk bounds ``a`` but
+    # not ``b``; the second (needed because the first looked ``a`` up after the loop and missed)
+    # bounds ``b`` — and a third, which could find nothing new, is not run
+    a, b_, k = v("a"), v("b"), v("k")
+    kern = _kernel(For(k, c(0), c(8), 1, (Assign(a, add(k, c(1))),)), Assign(b_, add(a, c(1))))
+    walks = []
+    real = ranges._assigned_bounds
+    try:
+        ranges._assigned_bounds = lambda *args: walks.append(1) or real(*args)  # type: ignore[assignment]
+        resolved = register_ranges(kern, special_ranges(kern))
+    finally:
+        ranges._assigned_bounds = real
+    assert resolved == {a: (1, 8), b_: (2, 9)}
+    assert len(walks) == 2
 
 
 def test_guard_facts_apply_inside_and_are_dropped_on_reassignment() -> None:
