@@ -64,6 +64,7 @@ from sextant.kernel.ranges import (
     bounds,
     children,
     compile_expr,
+    free_names,
     int_range,
     refine,
 )
@@ -118,6 +119,8 @@ class _Verifier:
         self.scalars = frozenset(scalars)
         self.div: _Divergence | None = None
         self.exec: _Exec | None = None  # compiled statements, shared by the witness searches
+        # searches that found no witness, by the frames enclosing the access: (position, index, size)
+        self.fruitless: dict[tuple, list[tuple[int, Expr, int]]] = {}
 
     def fail(self, where: Stmt | None, msg: str) -> None:
         self.errors.append(f"`{stmt_header(where)}`: {msg}" if where is not None else msg)
@@ -320,13 +323,36 @@ class _Verifier:
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is always out of bounds: its index is in "
                          f"[{b[0]}, {b[1]}], but {buf!r} has {size} elements")
             return
+        if self._searched_before(path, idx, size):
+            return
         if self.exec is None:
             self.exec = _Exec()
         found = _Witness(self.k, path, idx, size, self.exec).search()
-        if found is not None:
+        if found is None:
+            self.fruitless.setdefault(_frames(path), []).append((path[-1][1], idx, size))
+        else:
             value, where = found
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is out of bounds: index {value} at {where}, "
                          f"but {buf!r} has {size} elements")
+
+
+    def _searched_before(self, path: tuple, idx: Expr, size: int) -> bool:
+        """Whether a search already failed for the same index into as many elements, earlier in the
+        same statement list with none of the index's registers assigned since: every thread and
+        iteration then reaches both accesses with the same index value, and this search would try
+        a prefix of what that one tried (its work budget runs out no later), finding nothing either.
+        (The epilogue reads each per-channel parameter at the same column index.)"""
+        stmts, pos, _ = path[-1]
+        for before, other, other_size in self.fruitless.get(_frames(path), ()):
+            if other_size == size and other == idx and not (
+                    free_names(idx) & assigned_names(stmts[before:pos])):
+                return True
+        return False
+
+
+def _frames(path: tuple) -> tuple:
+    """An access's enclosing frames and statement list, by identity."""
+    return (*((id(st), p, br) for st, p, br in path[:-1]), id(path[-1][0]))
 
 
 def _after(ranges: Ranges, s: For | If, env: Env) -> Env | None:
