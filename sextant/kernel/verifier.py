@@ -25,6 +25,7 @@ statement it is in. It checks, in order:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -268,14 +269,13 @@ class _Verifier:
             if e.op not in (UNARY if isinstance(e, Unary) else BINARY):
                 fail(f"unknown op {e.op!r}")
                 return
-            try:
-                t = infer_type(e.op, [TensorType((), d) for d in ops], {})
-            except IRTypeError as err:
-                fail(str(err))
+            dtype, err = _scalar_type(e.op, ops)
+            if err is not None:
+                fail(err)
                 return
-            if t.dtype != e.dtype:
+            if dtype != e.dtype:
                 types = ", ".join(d.value for d in ops)
-                fail(f"{e.op} of {types} gives {t.dtype.value}, the node says {e.dtype.value}")
+                fail(f"{e.op} of {types} gives {dtype.value}, the node says {e.dtype.value}")
         elif isinstance(e, Select):
             if e.cond.dtype != DType.bool:
                 fail(f"select condition is {e.cond.dtype.value}, not bool")
@@ -361,6 +361,16 @@ def _after(ranges: Ranges, s: For | If, env: Env) -> Env | None:
     return ranges.step(s, env)
 
 
+@functools.lru_cache(maxsize=1024)
+def _scalar_type(op: str, operands: tuple[DType, ...]) -> tuple[DType, None] | tuple[None, str]:
+    """The graph IR's result type of ``op`` on scalars of these types, or why there is none: asked
+    once per op and operand types, not once per node of every kernel."""
+    try:
+        return infer_type(op, [TensorType((), d) for d in operands], {}).dtype, None
+    except IRTypeError as err:
+        return None, str(err)
+
+
 def _const_ok(e: Const) -> bool:
     v, dt = e.value, e.dtype
     if dt == DType.bool:
@@ -415,14 +425,21 @@ class _Divergence:
         self.local = {b.name for b in kernel.local}
         self.regs: dict[str, int] = {}
         self.mem: dict[str, int] = {}
-        changed = True
-        while changed:
-            before = (dict(self.regs), dict(self.mem))
+        # a walk changes nothing more once every value was read after its last raise: then the next
+        # walk would read the same levels everywhere, so only a raise of a value read earlier in
+        # the walk (``stale``) calls for another
+        self.read: set[str] = set()
+        self.stale = True
+        while self.stale:
+            self.read, self.stale = set(), False
             self._walk(kernel.body, UNIFORM)
-            changed = before != (self.regs, self.mem)
 
     def _raise(self, table: dict[str, int], name: str, level: int) -> None:
-        table[name] = max(table.get(name, UNIFORM), level)
+        new = max(table.get(name, UNIFORM), level)
+        if table.get(name) != new:
+            table[name] = new
+            if (name if table is self.regs else "[]" + name) in self.read:
+                self.stale = True
 
     def _walk(self, stmts: tuple[Stmt, ...], ctrl: int) -> None:
         for s in stmts:
@@ -447,8 +464,11 @@ class _Divergence:
         if isinstance(e, Special):
             return self.special[e.axis] if e.kind == "tid" else UNIFORM
         if isinstance(e, Var):
+            self.read.add(e.name)
             return self.regs.get(e.name, UNIFORM)
         if isinstance(e, Load):
+            if e.buffer in self.local:
+                self.read.add("[]" + e.buffer)
             return max(self.level(e.index), self.mem.get(e.buffer, THREAD) if e.buffer in self.local else UNIFORM)
         if isinstance(e, Binary) and self._warp_index(e):
             return WARP_UNIFORM
