@@ -6,6 +6,8 @@ import enum
 
 import torch
 
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}
+
 
 class DType(enum.Enum):
     """Element type of a tensor value. The value is the textual name used by the printer."""
@@ -21,17 +23,12 @@ class DType(enum.Enum):
     # name (kernel-IR expressions carry a dtype and are hashed constantly by the simplifier)
     __hash__ = object.__hash__
 
-    @property
-    def is_float(self) -> bool:
-        return self in (DType.f32, DType.f16, DType.bf16)
-
-    @property
-    def is_int(self) -> bool:
-        return self in (DType.i32, DType.i64)
-
-    @property
-    def itemsize(self) -> int:
-        return {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "bool": 1}[self.value]
+    def __init__(self, name: str) -> None:
+        # plain attributes rather than properties: range analysis and the simplifier ask for
+        # them millions of times while scheduling a model
+        self.itemsize: int = _ITEMSIZE[name]
+        self.is_float: bool = name in ("f32", "f16", "bf16")
+        self.is_int: bool = name in ("i32", "i64")
 
     @property
     def torch(self) -> torch.dtype:

@@ -31,8 +31,23 @@ class Const:
     dtype: DType = INDEX
 
 
+class _HashOnce:
+    """A slot for the hash of a leaf node that is a dict key everywhere (range facts are keyed by
+    registers and coordinates): a dataclass's hash builds and hashes a tuple on every lookup."""
+
+    __slots__ = ("_hash",)
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash  # type: ignore[no-any-return]
+        except AttributeError:
+            h = hash(tuple(getattr(self, f) for f in self.__match_args__))  # type: ignore[attr-defined]
+            object.__setattr__(self, "_hash", h)
+            return h
+
+
 @dataclass(frozen=True, slots=True)
-class Var:
+class Var(_HashOnce):
     """A per-thread scalar register (mutable through :class:`Assign`), a loop variable or a
     scalar kernel argument."""
 
@@ -41,7 +56,7 @@ class Var:
 
 
 @dataclass(frozen=True, slots=True)
-class Special:
+class Special(_HashOnce):
     """Thread coordinates: ``tid``/``bid`` (thread index in block, block index in grid) and
     ``bdim``/``gdim`` (block and grid sizes), each with an axis ``x``/``y``/``z``."""
 
@@ -91,6 +106,7 @@ class Load:
     dtype: DType
 
 
+Var.__hash__ = Special.__hash__ = _HashOnce.__hash__  # type: ignore[method-assign]  # the dataclass set its own
 Expr = Union[Const, Var, Special, Unary, Binary, Select, Cast, Load]  # noqa: UP007
 
 

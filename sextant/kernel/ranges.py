@@ -21,8 +21,10 @@ register. :func:`eval_expr` is the concrete counterpart, used by tests and the v
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -63,22 +65,34 @@ _CMP = {
 
 
 # -- integer helpers ---------------------------------------------------------------------------
-def int_range(dtype: DType) -> Interval:
-    """All values of an integer or bool type."""
+def _type_range(dtype: DType) -> Interval:
     if dtype == DType.bool:
         return (0, 1)
     bits = 8 * dtype.itemsize
     return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
 
 
+# per type, computed once: range analysis asks for these on every node it bounds
+_RANGE = {dt: _type_range(dt) for dt in DType}
+_INTLIKE_SET = frozenset(_INTLIKE)
+
+
+def int_range(dtype: DType) -> Interval:
+    """All values of an integer or bool type."""
+    return _RANGE[dtype]
+
+
 def is_intlike(dtype: DType) -> bool:
-    return dtype.is_int or dtype == DType.bool
+    return dtype in _INTLIKE_SET
 
 
 def wrap(v: int, dtype: DType) -> int:
     """``v`` reduced to ``dtype`` the way two's complement hardware does."""
     if dtype == DType.bool:
         return int(bool(v))
+    lo, hi = _RANGE[dtype]
+    if type(v) is int and lo <= v <= hi:  # the common case: nothing to wrap
+        return v
     bits = 8 * dtype.itemsize
     v &= (1 << bits) - 1
     return v - (1 << bits) if v >> (bits - 1) else v
@@ -172,24 +186,45 @@ class Env:
     ``mentioned`` is a superset of the registers named inside a fact that is not about a lone
     register, or inside a def's value: forgetting a register outside it (the first assignment
     of a fresh register, the common case) touches only that register's own entries instead of
-    scanning every fact, which made range analysis quadratic in a kernel's length."""
+    scanning every fact, which made range analysis quadratic in a kernel's length.
+
+    ``memo`` holds the intervals of compound expressions computed under the current facts (by
+    ``id``, the expression kept alive beside its interval): the simplifier bounds every node
+    of an expression bottom-up, and without it each call re-bounded the whole subtree. Every
+    change to the facts drops it."""
 
     facts: dict[Expr, Interval] = field(default_factory=dict)
     defs: dict[str, Expr] = field(default_factory=dict)
     mentioned: set[str] | None = field(default=None, repr=False, compare=False)  # None: not computed yet
     undo: list[tuple[Expr, Interval | None]] | None = field(default=None, repr=False, compare=False)
+    memo: dict[int, tuple[Expr, Interval | None]] | None = field(default=None, repr=False, compare=False)
+    # the registers each fact key or def value reads, by ``id`` (the expression kept alive beside
+    # them), shared by every copy: forgetting a register tests each fact, so they were recomputed
+    # for every loop left and every register reassigned
+    reads: dict[int, tuple[Expr, frozenset[str]]] = field(default_factory=dict, repr=False, compare=False)
+    # when not None, collects the registers looked up and not found, in this env and its copies
+    # (see register_ranges)
+    misses: set[str] | None = field(default=None, repr=False, compare=False)
 
     def copy(self) -> Env:
-        return Env(dict(self.facts), dict(self.defs), None if self.mentioned is None else set(self.mentioned))
+        return Env(dict(self.facts), dict(self.defs), None if self.mentioned is None else set(self.mentioned),
+                   reads=self.reads, misses=self.misses)
+
+    def free_names(self, e: Expr) -> frozenset[str]:
+        """:func:`free_names` of ``e``, computed once per expression."""
+        hit = self.reads.get(id(e))
+        if hit is None:
+            hit = self.reads[id(e)] = (e, free_names(e))
+        return hit[1]
 
     def names(self) -> set[str]:
         if self.mentioned is None:
             self.mentioned = set()
             for k in self.facts:
                 if not isinstance(k, Var | Special):
-                    self.mentioned |= free_names(k)
+                    self.mentioned |= self.free_names(k)
             for v in self.defs.values():
-                self.mentioned |= free_names(v)
+                self.mentioned |= self.free_names(v)
         return self.mentioned
 
     def set(self, key: Expr, value: Interval) -> None:
@@ -197,13 +232,14 @@ class Env:
         if self.undo is not None:
             self.undo.append((key, self.facts.get(key)))
         self.facts[key] = value
+        self.memo = None
         if self.mentioned is not None and not isinstance(key, Var | Special):
-            self.mentioned |= free_names(key)
+            self.mentioned |= self.free_names(key)
 
     def define(self, name: str, value: Expr) -> None:
         self.defs[name] = value
         if self.mentioned is not None:
-            self.mentioned |= free_names(value)
+            self.mentioned |= self.free_names(value)
 
 
 def _facts(env: Env | Facts | None) -> Facts:
@@ -215,15 +251,30 @@ def _facts(env: Env | Facts | None) -> Facts:
 def bounds(expr: Expr, env: Env | Facts | None = None) -> Interval | None:
     """A sound interval of the integer/bool ``expr`` given ``env``; ``None`` when unknown (and
     for float expressions)."""
-    facts = _facts(env)
-    known = facts.get(expr)
     if isinstance(expr, Var | Special):
-        if known is None and expr.dtype == DType.bool:
-            return (0, 1)
+        known = _facts(env).get(expr)
+        if known is None:
+            if isinstance(env, Env) and env.misses is not None and isinstance(expr, Var):
+                env.misses.add(expr.name)
+            if expr.dtype == DType.bool:
+                return (0, 1)
         return known
     if not is_intlike(expr.dtype):
         return None
-    return intersect(_compute(expr, env if isinstance(env, Env) else Env(dict(facts))), known)
+    if isinstance(expr, Const):
+        return _compute(expr, env)  # type: ignore[arg-type]  # a constant reads no facts
+    if not isinstance(env, Env):
+        env = Env(dict(_facts(env)))
+    memo = env.memo
+    if memo is None:
+        memo = env.memo = {}
+    else:
+        hit = memo.get(id(expr))
+        if hit is not None:
+            return hit[1]
+    out = intersect(_compute(expr, env), env.facts.get(expr))
+    memo[id(expr)] = (expr, out)  # valid: a trial assumption inside _compute restored the facts
+    return out
 
 
 def _operand(e: Expr, env: Env) -> Interval | None:
@@ -390,6 +441,7 @@ def _assumed(env: Env, cond: Expr, truth: bool, fn: Callable[[], Interval | None
     undone afterwards, so bounding a ``Select`` costs what its condition implies, not the
     size of the environment."""
     outer, env.undo = env.undo, []
+    memo = env.memo  # intervals under the facts without the assumption: valid again afterwards
     try:
         ok = _assume(env, cond, truth, 0)
         return (True, fn()) if ok else (False, None)
@@ -400,6 +452,7 @@ def _assumed(env: Env, cond: Expr, truth: bool, fn: Callable[[], Interval | None
             else:
                 env.facts[key] = old
         env.undo = outer
+        env.memo = memo
 
 
 def _assume(env: Env, c: Expr, truth: bool, depth: int) -> bool:
@@ -488,10 +541,10 @@ def special_ranges(kernel: Kernel) -> dict[Expr, Interval]:
     return out
 
 
-def loop_range(loop: For, env: Env | Facts) -> Interval | bool | None:
+def loop_range(loop: For, env: Env | Facts, assigned: Collection[str] | None = None) -> Interval | bool | None:
     """The values the loop variable takes: an interval, ``None`` (unknown) or ``False`` when the
-    loop provably runs no iteration."""
-    assigned = assigned_names(loop.body) | {loop.var.name}
+    loop provably runs no iteration. ``assigned``: the registers the loop writes, if known."""
+    assigned = assigned if assigned is not None else assigned_names(loop.body) | {loop.var.name}
     if (free_names(loop.start) | free_names(loop.stop)) & assigned or loop.step == 0:
         return None  # bounds the body changes: no stable interval
     s, t = bounds(loop.start, env), bounds(loop.stop, env)
@@ -507,6 +560,8 @@ def loop_range(loop: For, env: Env | Facts) -> Interval | bool | None:
         hi = t[1] - 1
         if s[0] == s[1]:
             hi = s[0] + (hi - s[0]) // step * step
+        elif (span := _span(loop)) is not None:  # stop = start + span: at most span - 1 past start
+            hi = min(hi, s[1] + (span - 1) // step * step)
         return (s[0], hi)
     if s[1] <= t[0]:
         return False
@@ -516,6 +571,17 @@ def loop_range(loop: For, env: Env | Facts) -> Interval | bool | None:
     if s[0] == s[1]:
         lo = s[0] - (s[0] - lo) // -step * -step
     return (lo, s[1])
+
+
+def _span(loop: For) -> int | None:
+    """``k`` when the loop runs from ``start`` to ``start + k`` (a tile of ``k`` from a variable
+    origin): its variable then stays within ``k - 1`` of the origin, which the intervals of
+    ``start`` and ``stop`` alone do not say."""
+    stop = loop.stop
+    if isinstance(stop, Binary) and stop.op == "add" and stop.a == loop.start and isinstance(stop.b, Const) \
+            and isinstance(stop.b.value, int) and not isinstance(stop.b.value, bool) and stop.b.value > 0:
+        return stop.b.value
+    return None
 
 
 def _warp_bounds(s: WarpReduce, env: Env) -> Interval | None:
@@ -529,6 +595,12 @@ def _warp_bounds(s: WarpReduce, env: Env) -> Interval | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _register_keys(name: str) -> tuple[Var, ...]:
+    """The fact keys a register ``name`` can have (one per integer-like type)."""
+    return tuple(Var(name, dt) for dt in _INTLIKE)
+
+
 class Ranges:
     """How the facts change through a kernel's statements. ``base`` holds facts valid at every
     point (launch coordinates, register ranges); a register reassigned or a loop re-entered
@@ -537,6 +609,7 @@ class Ranges:
     def __init__(self, base: Mapping[Expr, Interval]) -> None:
         self.base = dict(base)
         self._base_vars: dict[str, list[Var]] = {}  # the registers ``base`` bounds, by name
+        self._assigned: dict[int, tuple[tuple[Stmt, ...], str, frozenset[str]]] = {}
         for k in self.base:
             if isinstance(k, Var):
                 self._base_vars.setdefault(k.name, []).append(k)
@@ -549,25 +622,40 @@ class Ranges:
     def entry(self) -> Env:
         return Env(dict(self.base))
 
-    def forget(self, env: Env, names: set[str]) -> Env:
+    def forget(self, env: Env, names: AbstractSet[str]) -> Env:
         """Drop what is known about values that read the registers ``names``; updates ``env``
         in place and returns it (callers that need the old facts copy first)."""
         if not names:
             return env
         facts, defs = env.facts, env.defs
-        if names & env.names():  # some fact or def reads them: scan (and recompute ``mentioned``)
-            kept = {k: v for k, v in facts.items() if not (free_names(k) & names)}
+        env.memo = None
+        if not names.isdisjoint(env.names()):  # some fact or def reads them: scan, recompute ``mentioned``
+            free, mentioned = env.free_names, set()
+            kept = {}
+            for k, v in facts.items():
+                if isinstance(k, Var):
+                    if k.name not in names:
+                        kept[k] = v
+                elif isinstance(k, Special):
+                    kept[k] = v
+                elif names.isdisjoint(reads := free(k)):
+                    kept[k] = v
+                    mentioned |= reads
             facts.clear()
             facts.update(kept)
-            kept_defs = {k: v for k, v in defs.items() if k not in names and not (free_names(v) & names)}
+            kept_defs = {}
+            for k, v in defs.items():
+                if k not in names and names.isdisjoint(reads := free(v)):
+                    kept_defs[k] = v
+                    mentioned |= reads
             defs.clear()
             defs.update(kept_defs)
-            env.mentioned = None
+            env.mentioned = mentioned
         else:  # only the registers' own entries can mention them
             for name in names:
                 defs.pop(name, None)
-                for dt in _INTLIKE:
-                    facts.pop(Var(name, dt), None)
+                for key in _register_keys(name):
+                    facts.pop(key, None)
         for name in names:
             for k in self._base_vars.get(name, ()):
                 facts[k] = self.base[k]
@@ -582,23 +670,34 @@ class Ranges:
         b = intersect(self.base.get(var), b)
         if b is not None:
             out.facts[var] = b
-        if value is not None and not contains_load(value) and var.name not in free_names(value):
+            out.memo = None
+        if value is not None and not contains_load(value) and var.name not in out.free_names(value):
             out.define(var.name, value)
         return out
 
     def enter_loop(self, env: Env, loop: For) -> Env | None:
         """Facts at the top of any iteration; ``None`` if the loop never runs."""
-        r = loop_range(loop, env)
+        r = loop_range(loop, env, self.assigned(loop))
         if r is False:
             return None
-        out = self.forget(env.copy(), assigned_names(loop.body) | {loop.var.name})
+        out = self.forget(env.copy(), self.assigned(loop))
         if r is not None:
             out.facts[loop.var] = r  # type: ignore[assignment]
+            out.memo = None
         return out
 
     def leave_loop(self, env: Env, loop: For) -> Env:
         """The facts after the loop (``env``, the facts before it, is updated in place)."""
-        return self.forget(env, assigned_names(loop.body) | {loop.var.name})
+        return self.forget(env, self.assigned(loop))
+
+    def assigned(self, loop: For) -> frozenset[str]:
+        """The registers ``loop`` writes, its variable included: computed once per loop body (each
+        walk asks three times per loop, and the walk of an outer loop covers the inner ones)."""
+        hit = self._assigned.get(id(loop.body))
+        if hit is None or hit[1] != loop.var.name:
+            names = frozenset(assigned_names(loop.body) | {loop.var.name})
+            hit = self._assigned[id(loop.body)] = (loop.body, loop.var.name, names)
+        return hit[2]
 
     def join(self, a: Env | None, b: Env | None) -> Env | None:
         """Facts after control flow merges from two points (``None``: unreachable)."""
@@ -606,7 +705,7 @@ class Ranges:
             return b if a is None else a
         facts = {k: h for k, v in a.facts.items() if k in b.facts and (h := hull(v, b.facts[k])) is not None}
         defs = {k: v for k, v in a.defs.items() if b.defs.get(k) == v}
-        return Env(facts, defs)
+        return Env(facts, defs, reads=a.reads, misses=a.misses)
 
     def walk(self, body: Iterable[Stmt], env: Env | None,
              visit: Callable[[Stmt, Env], None] | None = None) -> Env | None:
@@ -644,7 +743,11 @@ def register_ranges(kernel: Kernel, base: Mapping[Expr, Interval]) -> dict[Expr,
 
     Computed bottom-up: a register is bounded once all of its assignments are bounded using
     only registers already bounded, so a register that feeds itself (``acc = acc + 1``) stays
-    unknown instead of getting a too-narrow interval."""
+    unknown instead of getting a too-narrow interval.
+
+    A walk with the registers bounded so far differs from the last one only where the last one
+    looked a newly bounded register up and did not find it, so the walk that would only confirm
+    the fixed point is skipped when no such lookup happened (for most kernels: the second)."""
     loop_vars: set[str] = set()
 
     def loops(stmts: Iterable[Stmt]) -> None:
@@ -660,17 +763,20 @@ def register_ranges(kernel: Kernel, base: Mapping[Expr, Interval]) -> dict[Expr,
     resolved: dict[Expr, Interval] = {}
     while True:
         new: dict[Expr, Interval] = {}
-        for v, ivs in _assigned_bounds(kernel, Ranges(dict(base) | resolved)).items():
+        misses: set[str] = set()
+        for v, ivs in _assigned_bounds(kernel, Ranges(dict(base) | resolved), misses).items():
             if v.name in loop_vars or v in resolved or not is_intlike(v.dtype) or any(i is None for i in ivs):
                 continue
             new[v] = (min(i[0] for i in ivs), max(i[1] for i in ivs))  # type: ignore[index]
-        if not new:
-            return resolved
         resolved.update(new)
+        if not any(v.name in misses for v in new):  # the next walk would find what this one did
+            return resolved
 
 
-def _assigned_bounds(kernel: Kernel, walker: Ranges) -> dict[Var, list[Interval | None]]:
-    """The interval of every value assigned to each register (``None``: unknown)."""
+def _assigned_bounds(kernel: Kernel, walker: Ranges,
+                     misses: set[str] | None = None) -> dict[Var, list[Interval | None]]:
+    """The interval of every value assigned to each register (``None``: unknown); ``misses``
+    collects the registers the walk looked up without finding them."""
     seen: dict[Var, list[Interval | None]] = {}
     types: dict[str, Var] = {}
 
@@ -682,7 +788,9 @@ def _assigned_bounds(kernel: Kernel, walker: Ranges) -> dict[Var, list[Interval 
                 seen[s.var].append(None)
                 seen.setdefault(types[s.var.name], []).append(None)
 
-    walker.walk(kernel.body, walker.entry(), visit)
+    env = walker.entry()
+    env.misses = misses
+    walker.walk(kernel.body, env, visit)
     return seen
 
 
@@ -764,6 +872,10 @@ def cast_value(v: Value, src: DType, dst: DType) -> Value:
     return _float(v, holder).to(dst.torch).item()
 
 
+Load_ = Callable[[str, int], Value]
+Compiled = Callable[[Mapping[str, Value], Load_ | None], Value]
+
+
 def eval_expr(expr: Expr, values: Mapping[str, Value] | None = None,
               load: Callable[[str, int], Value] | None = None) -> Value:
     """The value of ``expr`` for one thread, with the graph IR's op semantics.
@@ -772,42 +884,104 @@ def eval_expr(expr: Expr, values: Mapping[str, Value] | None = None,
     ``load(buffer, index)`` reads memory. Integers wrap like the hardware; floats are computed
     by torch on scalars of the exact dtype (like the reference executor). Raises
     :class:`Undefined` or :class:`Unknown` (see there)."""
-    values = values or {}
+    return compile_expr(expr)(values or {}, load)
 
-    def ev(e: Expr) -> Value:
-        if isinstance(e, Const):
-            if e.dtype == DType.bool:
-                return bool(e.value)
-            if e.dtype.is_int:
-                return wrap(int(e.value), e.dtype)
-            return _float(e.value, e.dtype).item()
-        if isinstance(e, Var | Special):
-            key = e.name if isinstance(e, Var) else f"{e.kind}.{e.axis}"
+
+def compile_expr(expr: Expr) -> Compiled:
+    """``expr`` as a closure ``f(values, load)`` computing what :func:`eval_expr` does, in the same
+    order (so the same error is raised first). The verifier's witness search evaluates the same
+    few expressions for thousands of threads and loop iterations: dispatching on every node's
+    type each time was most of its cost."""
+    if isinstance(expr, Binary):
+        return _compile_binary(expr)
+    if isinstance(expr, Var | Special):
+        key = expr.name if isinstance(expr, Var) else f"{expr.kind}.{expr.axis}"
+
+        def var(values: Mapping[str, Value], load: Load_ | None) -> Value:
             if key not in values:
                 raise Unknown(key)
             return values[key]
-        if isinstance(e, Load):
-            i = ev(e.index)
-            if load is None:
-                raise Unknown(f"{e.buffer}[{i}]")
-            return load(e.buffer, i)
-        if isinstance(e, Select):
-            c, a, b = ev(e.cond), ev(e.a), ev(e.b)  # both sides are evaluated, as on the GPU
-            return a if c else b
-        if isinstance(e, Cast):
-            return cast_value(ev(e.a), e.a.dtype, e.dtype)
-        if isinstance(e, Unary):
-            a = ev(e.a)
-            if is_intlike(e.a.dtype):
-                return int_unary(e.op, int(a), e.a.dtype)
-            return _UNARY[e.op](_float(a, e.a.dtype)).item()
-        if isinstance(e, Binary):
-            a, b = ev(e.a), ev(e.b)
-            if is_intlike(e.a.dtype):
-                return int_binary(e.op, int(a), int(b), e.a.dtype)
-            fa, fb = _float(a, e.a.dtype), _float(b, e.b.dtype)
-            fn = _BINARY[e.op] if e.op != "div" else lambda x, y: torch.div(x, y)
-            return fn(fa, fb).item()
-        raise TypeError(f"not an expression: {e!r}")
 
-    return ev(expr)
+        return var
+    if isinstance(expr, Const):
+        dt = expr.dtype
+        value: Value = bool(expr.value) if dt == DType.bool else wrap(int(expr.value), dt) if dt.is_int \
+            else _float(expr.value, dt).item()
+        return lambda values, load: value
+    if isinstance(expr, Load):
+        index, buf = compile_expr(expr.index), expr.buffer
+
+        def load_(values: Mapping[str, Value], load: Load_ | None) -> Value:
+            i = index(values, load)
+            if load is None:
+                raise Unknown(f"{buf}[{i}]")
+            return load(buf, i)
+
+        return load_
+    if isinstance(expr, Select):
+        fc, fa, fb = compile_expr(expr.cond), compile_expr(expr.a), compile_expr(expr.b)
+
+        def select(values: Mapping[str, Value], load: Load_ | None) -> Value:
+            c, a, b = fc(values, load), fa(values, load), fb(values, load)  # both sides, as on the GPU
+            return a if c else b
+
+        return select
+    if isinstance(expr, Cast):
+        fa, src, dst = compile_expr(expr.a), expr.a.dtype, expr.dtype
+        return lambda values, load: cast_value(fa(values, load), src, dst)
+    if isinstance(expr, Unary):
+        fa, op, src = compile_expr(expr.a), expr.op, expr.a.dtype
+        if is_intlike(src):
+            return lambda values, load: int_unary(op, int(fa(values, load)), src)
+        fn = _UNARY[op]
+        return lambda values, load: fn(_float(fa(values, load), src)).item()
+    raise TypeError(f"not an expression: {expr!r}")
+
+
+def _compile_binary(e: Binary) -> Compiled:
+    fa, fb, dt = compile_expr(e.a), compile_expr(e.b), e.a.dtype
+    if not is_intlike(dt):
+        da, db = e.a.dtype, e.b.dtype
+        fn = _BINARY[e.op] if e.op != "div" else lambda x, y: torch.div(x, y)
+
+        def floats(values: Mapping[str, Value], load: Load_ | None) -> Value:
+            a, b = fa(values, load), fb(values, load)
+            return fn(_float(a, da), _float(b, db)).item()
+
+        return floats
+    op = _int_op(e.op, dt)
+
+    def ints(values: Mapping[str, Value], load: Load_ | None) -> Value:
+        a, b = fa(values, load), fb(values, load)
+        return op(int(a), int(b))
+
+    return ints
+
+
+_WRAPPING = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+             "maximum": max, "minimum": min, "bitwise_and": lambda a, b: a & b,
+             "bitwise_or": lambda a, b: a | b, "bitwise_xor": lambda a, b: a ^ b}
+
+
+def _int_op(op: str, dt: DType) -> Callable[[int, int], Value]:
+    """:func:`int_binary` for one op and type, with the common index ops inlined."""
+    if op in _CMP:
+        return _CMP[op]
+    if dt != DType.bool and op in _WRAPPING:
+        f, (lo, hi) = _WRAPPING[op], _RANGE[dt]
+
+        def wrapping(a: int, b: int) -> Value:
+            r = f(a, b)
+            return r if lo <= r <= hi else wrap(r, dt)
+
+        return wrapping
+    if dt != DType.bool and op in ("shl", "shr"):
+        bits = 8 * dt.itemsize
+
+        def shift(a: int, b: int) -> Value:
+            if not 0 <= b < bits:
+                raise Undefined(f"{op} by {b}")
+            return wrap(a << b if op == "shl" else a >> b, dt)
+
+        return shift
+    return lambda a, b: int_binary(op, a, b, dt)

@@ -25,6 +25,7 @@ statement it is in. It checks, in order:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -54,14 +55,17 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.printer import print_expr, stmt_header
 from sextant.kernel.ranges import (
+    Compiled,
     Env,
     EvalError,
     Ranges,
     Unknown,
+    Value,
     assigned_names,
     bounds,
     children,
-    eval_expr,
+    compile_expr,
+    free_names,
     int_range,
     refine,
 )
@@ -115,6 +119,9 @@ class _Verifier:
         self.var_types: dict[str, DType] = {}
         self.scalars = frozenset(scalars)
         self.div: _Divergence | None = None
+        self.exec: _Exec | None = None  # compiled statements, shared by the witness searches
+        # searches that found no witness, by the frames enclosing the access: (position, index, size)
+        self.fruitless: dict[tuple, list[tuple[int, Expr, int]]] = {}
 
     def fail(self, where: Stmt | None, msg: str) -> None:
         self.errors.append(f"`{stmt_header(where)}`: {msg}" if where is not None else msg)
@@ -262,14 +269,13 @@ class _Verifier:
             if e.op not in (UNARY if isinstance(e, Unary) else BINARY):
                 fail(f"unknown op {e.op!r}")
                 return
-            try:
-                t = infer_type(e.op, [TensorType((), d) for d in ops], {})
-            except IRTypeError as err:
-                fail(str(err))
+            dtype, err = _scalar_type(e.op, ops)
+            if err is not None:
+                fail(err)
                 return
-            if t.dtype != e.dtype:
+            if dtype != e.dtype:
                 types = ", ".join(d.value for d in ops)
-                fail(f"{e.op} of {types} gives {t.dtype.value}, the node says {e.dtype.value}")
+                fail(f"{e.op} of {types} gives {dtype.value}, the node says {e.dtype.value}")
         elif isinstance(e, Select):
             if e.cond.dtype != DType.bool:
                 fail(f"select condition is {e.cond.dtype.value}, not bool")
@@ -317,17 +323,52 @@ class _Verifier:
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is always out of bounds: its index is in "
                          f"[{b[0]}, {b[1]}], but {buf!r} has {size} elements")
             return
-        found = _Witness(self.k, path, idx, size).search()
-        if found is not None:
+        if self._searched_before(path, idx, size):
+            return
+        if self.exec is None:
+            self.exec = _Exec()
+        found = _Witness(self.k, path, idx, size, self.exec).search()
+        if found is None:
+            self.fruitless.setdefault(_frames(path), []).append((path[-1][1], idx, size))
+        else:
             value, where = found
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is out of bounds: index {value} at {where}, "
                          f"but {buf!r} has {size} elements")
+
+
+    def _searched_before(self, path: tuple, idx: Expr, size: int) -> bool:
+        """Whether a search already failed for the same index into as many elements, earlier in the
+        same statement list with none of the index's registers assigned since: every thread and
+        iteration then reaches both accesses with the same index value, and this search would try
+        a prefix of what that one tried (its work budget runs out no later), finding nothing either.
+        (The epilogue reads each per-channel parameter at the same column index.)"""
+        stmts, pos, _ = path[-1]
+        for before, other, other_size in self.fruitless.get(_frames(path), ()):
+            if other_size == size and other == idx and not (
+                    free_names(idx) & assigned_names(stmts[before:pos])):
+                return True
+        return False
+
+
+def _frames(path: tuple) -> tuple:
+    """An access's enclosing frames and statement list, by identity."""
+    return (*((id(st), p, br) for st, p, br in path[:-1]), id(path[-1][0]))
 
 
 def _after(ranges: Ranges, s: For | If, env: Env) -> Env | None:
     if isinstance(s, For):
         return ranges.leave_loop(env, s)
     return ranges.step(s, env)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scalar_type(op: str, operands: tuple[DType, ...]) -> tuple[DType, None] | tuple[None, str]:
+    """The graph IR's result type of ``op`` on scalars of these types, or why there is none: asked
+    once per op and operand types, not once per node of every kernel."""
+    try:
+        return infer_type(op, [TensorType((), d) for d in operands], {}).dtype, None
+    except IRTypeError as err:
+        return None, str(err)
 
 
 def _const_ok(e: Const) -> bool:
@@ -384,14 +425,21 @@ class _Divergence:
         self.local = {b.name for b in kernel.local}
         self.regs: dict[str, int] = {}
         self.mem: dict[str, int] = {}
-        changed = True
-        while changed:
-            before = (dict(self.regs), dict(self.mem))
+        # a walk changes nothing more once every value was read after its last raise: then the next
+        # walk would read the same levels everywhere, so only a raise of a value read earlier in
+        # the walk (``stale``) calls for another
+        self.read: set[str] = set()
+        self.stale = True
+        while self.stale:
+            self.read, self.stale = set(), False
             self._walk(kernel.body, UNIFORM)
-            changed = before != (self.regs, self.mem)
 
     def _raise(self, table: dict[str, int], name: str, level: int) -> None:
-        table[name] = max(table.get(name, UNIFORM), level)
+        new = max(table.get(name, UNIFORM), level)
+        if table.get(name) != new:
+            table[name] = new
+            if (name if table is self.regs else "[]" + name) in self.read:
+                self.stale = True
 
     def _walk(self, stmts: tuple[Stmt, ...], ctrl: int) -> None:
         for s in stmts:
@@ -416,8 +464,11 @@ class _Divergence:
         if isinstance(e, Special):
             return self.special[e.axis] if e.kind == "tid" else UNIFORM
         if isinstance(e, Var):
+            self.read.add(e.name)
             return self.regs.get(e.name, UNIFORM)
         if isinstance(e, Load):
+            if e.buffer in self.local:
+                self.read.add("[]" + e.buffer)
             return max(self.level(e.index), self.mem.get(e.buffer, THREAD) if e.buffer in self.local else UNIFORM)
         if isinstance(e, Binary) and self._warp_index(e):
             return WARP_UNIFORM
@@ -470,6 +521,52 @@ _MAX_THREADS_EXHAUSTIVE = 1024
 _MAX_WORK = 50_000  # statements executed per access searched: keeps verification fast on big kernels
 
 
+class _Exec:
+    """Runs statements for one thread: expressions compiled once (:func:`compile_expr`) and each
+    loop's or branch's assigned registers computed once, for every search in a kernel.
+
+    Keyed by ``id`` of the kernel's own nodes, which the kernel keeps alive while it is verified."""
+
+    def __init__(self) -> None:
+        self._exprs: dict[int, tuple[Expr, Compiled]] = {}
+        self._assigned: dict[int, tuple[tuple[Stmt, ...], frozenset[str]]] = {}
+
+    def eval(self, e: Expr, vals: dict) -> Value:
+        hit = self._exprs.get(id(e))
+        if hit is None:
+            hit = self._exprs[id(e)] = (e, compile_expr(e))
+        return hit[1](vals, None)
+
+    def assigned(self, stmts: tuple[Stmt, ...]) -> frozenset[str]:
+        hit = self._assigned.get(id(stmts))
+        if hit is None:
+            hit = self._assigned[id(stmts)] = (stmts, frozenset(assigned_names(stmts)))
+        return hit[1]
+
+    def run(self, s: Stmt, vals: dict) -> None:
+        """Execute ``s`` as far as it is known (memory is not modelled)."""
+        if isinstance(s, Assign):
+            try:
+                vals[s.var.name] = self.eval(s.value, vals)
+            except EvalError:
+                vals.pop(s.var.name, None)
+        elif isinstance(s, WarpReduce):
+            vals.pop(s.var.name, None)
+        elif isinstance(s, If):
+            try:
+                body = s.then if self.eval(s.cond, vals) else s.orelse
+            except EvalError:
+                for name in self.assigned(s.then) | self.assigned(s.orelse):
+                    vals.pop(name, None)
+                return
+            for inner in body:
+                self.run(inner, vals)
+        elif isinstance(s, For):
+            vals.pop(s.var.name, None)
+            for name in self.assigned(s.body):
+                vals.pop(name, None)
+
+
 class _Witness:
     """Looks for one thread (and loop iterations) that reaches an access with a bad index.
 
@@ -477,8 +574,9 @@ class _Witness:
     it cannot know (from loads, warp reductions, earlier iterations of a loop) become unknown,
     and a path through an unknown condition is abandoned — so a witness is always real."""
 
-    def __init__(self, kernel: Kernel, path: tuple, index: Expr, size: int) -> None:
+    def __init__(self, kernel: Kernel, path: tuple, index: Expr, size: int, ex: _Exec | None = None) -> None:
         self.k, self.path, self.index, self.size = kernel, path, index, size
+        self.ex = ex if ex is not None else _Exec()
         self.runs = 0  # accesses evaluated
         self.unknown = 0  # ... of which needed an unknown value
         self.work = 0  # statements executed
@@ -513,13 +611,14 @@ class _Witness:
     def frame(self, depth: int, vals: dict, loops: list[str]) -> tuple[int, list[str]] | None:
         stmts, pos, branch = self.path[depth]
         self.work += pos + 1
+        ex = self.ex
         for s in stmts[:pos]:
-            _run(s, vals)
+            ex.run(s, vals)
         s = stmts[pos]
         if depth == len(self.path) - 1:
             self.runs += 1
             try:
-                i = eval_expr(self.index, vals)
+                i = ex.eval(self.index, vals)
             except Unknown:
                 self.unknown += 1
                 return None
@@ -528,13 +627,13 @@ class _Witness:
             return (i, loops) if not 0 <= i < self.size else None
         if isinstance(s, If):
             try:
-                taken = bool(eval_expr(s.cond, vals))
+                taken = bool(ex.eval(s.cond, vals))
             except EvalError:
                 return None
             return self.frame(depth + 1, vals, loops) if taken == branch else None
         assert isinstance(s, For)
         try:
-            start, stop = eval_expr(s.start, vals), eval_expr(s.stop, vals)
+            start, stop = ex.eval(s.start, vals), ex.eval(s.stop, vals)
         except EvalError:
             return None
         iters = range(start, stop, s.step)
@@ -542,33 +641,10 @@ class _Witness:
         for j in picks:
             inner = dict(vals)
             if j > 0:  # registers the body changes hold values of earlier iterations
-                for name in assigned_names(s.body):
+                for name in ex.assigned(s.body):
                     inner.pop(name, None)
             inner[s.var.name] = iters[j]
             found = self.frame(depth + 1, inner, loops + [f"{s.var.name}={iters[j]}"])
             if found is not None or self.work >= _MAX_WORK:
                 return found
         return None
-
-
-def _run(s: Stmt, vals: dict) -> None:
-    """Execute ``s`` for one thread as far as it is known (memory is not modelled)."""
-    if isinstance(s, Assign):
-        try:
-            vals[s.var.name] = eval_expr(s.value, vals)
-        except EvalError:
-            vals.pop(s.var.name, None)
-    elif isinstance(s, WarpReduce):
-        vals.pop(s.var.name, None)
-    elif isinstance(s, If):
-        try:
-            body = s.then if eval_expr(s.cond, vals) else s.orelse
-        except EvalError:
-            for name in assigned_names(s.then) | assigned_names(s.orelse):
-                vals.pop(name, None)
-            return
-        for inner in body:
-            _run(inner, vals)
-    elif isinstance(s, For):
-        for name in assigned_names(s.body) | {s.var.name}:
-            vals.pop(name, None)

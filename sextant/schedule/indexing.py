@@ -204,8 +204,9 @@ class ValueEmitter:
         statements come out in the order the recursive evaluation would emit them."""
         memo = self._memo[-1]
         key = (id(n), idx)
-        if key in memo:
-            return memo[key]
+        hit = memo.get(key)  # one lookup, not two: hashing the index is most of a hit's cost
+        if hit is not None:
+            return hit
         stack: list[tuple[tuple, Generator[Operand, Expr, Expr]]] = [(key, self._compute(n, idx))]
         sent: Expr | None = None
         while stack:
@@ -220,11 +221,9 @@ class ValueEmitter:
                 memo[key] = sent = e
                 continue
             sub = (id(operand), at)
-            if sub in memo:
-                sent = memo[sub]
-            else:
+            sent = memo.get(sub)
+            if sent is None:
                 stack.append((sub, self._compute(operand, at)))
-                sent = None
         assert sent is not None
         return sent
 

@@ -11,6 +11,7 @@ import torch
 
 from sextant.graph.dtypes import DType
 from sextant.graph.reference import _BINARY, _UNARY
+from sextant.kernel import ranges
 from sextant.kernel.ir import (
     Assign,
     Binary,
@@ -43,6 +44,8 @@ from sextant.kernel.ranges import (
     int_range,
     loop_range,
     refine,
+    register_ranges,
+    special_ranges,
 )
 
 from .samples import BID, BOOL, F32, I32, TID, b, elementwise, f, v
@@ -250,6 +253,9 @@ def test_loop_variable_ranges() -> None:
     assert loop_range(For(k, c(10), c(0), -3, ()), {}) == (1, 10)
     assert loop_range(For(k, c(5), c(5), 1, ()), {}) is False
     assert loop_range(For(k, TID, c(300), 64, ()), {TID: (0, 63)}) == (0, 299)
+    # a tile from a variable origin: at most the tile's last step past the origin's maximum
+    origin = mul(BID, c(128))
+    assert loop_range(For(k, origin, add(origin, c(128)), 8, ()), {BID: (0, 3)}) == (0, 504)
     assert loop_range(For(k, c(0), X, 1, ()), {}) is None
     assert loop_range(For(k, c(0), X, 1, (Assign(X, c(3)),)), {X: (1, 5)}) is None  # body moves the bound
     kern = _kernel(For(k, c(0), c(8), 1, (For(j, k, c(8), 2, (Store("a", add(mul(k, c(8)), j), f(0)),)),)))
@@ -275,6 +281,23 @@ def test_registers_from_assignments() -> None:
     assert bounds(acc, env) is None  # feeds itself: not bounded by its first value
     base = Ranges.for_kernel(kern).base
     assert base[i] == (0, 255) and base[n] == (3, 10) and acc not in base
+
+
+def test_register_ranges_walk_again_where_a_new_bound_was_missing() -> None:
+    # after the loop, ``a`` is known only from its register range: the first walk bounds ``a`` but
+    # not ``b``; the second (needed because the first looked ``a`` up after the loop and missed)
+    # bounds ``b`` — and a third, which could find nothing new, is not run
+    a, b_, k = v("a"), v("b"), v("k")
+    kern = _kernel(For(k, c(0), c(8), 1, (Assign(a, add(k, c(1))),)), Assign(b_, add(a, c(1))))
+    walks = []
+    real = ranges._assigned_bounds
+    try:
+        ranges._assigned_bounds = lambda *args: walks.append(1) or real(*args)  # type: ignore[assignment]
+        resolved = register_ranges(kern, special_ranges(kern))
+    finally:
+        ranges._assigned_bounds = real
+    assert resolved == {a: (1, 8), b_: (2, 9)}
+    assert len(walks) == 2
 
 
 def test_guard_facts_apply_inside_and_are_dropped_on_reassignment() -> None:

@@ -90,6 +90,17 @@ def test_correlated_index_the_analysis_cannot_bound_passes() -> None:
     verify_kernel(k)
 
 
+def test_index_searched_again_once_a_register_it_reads_changes() -> None:
+    """A fruitless search is not repeated for the same index later in the block — unless a register
+    the index reads was assigned in between."""
+    m = v("m")
+    idx = add(b("sub", IV, mul(b("div", IV, c(64)), c(64))), m)  # i % 64 + m: intervals cannot bound it
+    same = (*GUARDED, Assign(m, c(0)), Store("y", idx, f(0)), Store("acc", idx, f(0)))
+    verify_kernel(kernel(*same))
+    fails(kernel(*same, Assign(m, c(200)), Store("acc", idx, f(1))),
+          r"store to acc\[i - i / 64 \* 64 \+ m\] is out of bounds: index 25[6-9]")
+
+
 def test_data_dependent_index_passes() -> None:
     verify_kernel(kernel(*GUARDED, Store("y", IV, Load("x", Load("idx", IV, I32), F32))))
 
