@@ -86,8 +86,9 @@ class NativeRunner:
             st = self._local.state = (slots, sync, tensors)
         return st
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        p = self.program
+    def _bind(self, inputs: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
+        """This thread's slots with the call's inputs and fresh outputs in them (the tensors returned
+        must stay alive while the plan runs)."""
         slots, sync, fixed = self._state()
         tensors = dict(fixed)
         for i, x in zip(self._inputs, inputs):  # inputs come first, in graph order
@@ -98,8 +99,11 @@ class NativeRunner:
             t = torch.empty(b.node.shape, dtype=b.node.dtype.torch)
             tensors[b.index] = t
             slots[b.index] = t.data_ptr()
+        return slots, sync, tensors
+
+    def _execute(self, plan: ctypes.Array, slots: ctypes.Array, sync: ctypes.Array) -> None:
         run, nw = self._run, self.workers
-        args = (ctypes.addressof(self._plan), ctypes.addressof(self._argidx), ctypes.addressof(slots),
+        args = (ctypes.addressof(plan), ctypes.addressof(self._argidx), ctypes.addressof(slots),
                 ctypes.addressof(self._fns))
         if nw == 1:
             run(*args, 0, 1, ctypes.addressof(sync))
@@ -109,6 +113,37 @@ class NativeRunner:
             run(*args, 0, nw, ctypes.addressof(sync))
             for f in futures:
                 f.result()
+
+    def profile(self, inputs: Sequence[torch.Tensor], repeats: int = 10) -> list[float]:
+        """Seconds per launch (in plan order), each measured as its plan row run ``repeats`` times
+        back to back by the native executor, after one whole forward has filled every buffer —
+        so a launch costs what it costs inside a forward, without a Python call per launch."""
+        import time
+
+        slots, sync, tensors = self._bind(inputs)
+        self._execute(self._plan, slots, sync)
+        empty = (ctypes.c_int32 * 1)(0)
+
+        def call(plan: ctypes.Array) -> float:
+            t0 = time.perf_counter()
+            self._execute(plan, slots, sync)
+            return time.perf_counter() - t0
+
+        fixed = sorted(call(empty) for _ in range(21))[10]  # one executor call (the thread hand-off)
+        rows = [list(self._plan[1 + FIELDS * i:1 + FIELDS * (i + 1)]) for i in range(len(self.program.launches))]
+        out = []
+        for row in rows:
+            row = row[:4] + [row[4] | BARRIER]  # every repetition finishes before the next starts
+            plan = (ctypes.c_int32 * (1 + FIELDS * repeats))(repeats, *(row * repeats))
+            call(plan)  # warm
+            out.append(max(0.0, min(call(plan), call(plan)) - fixed) / repeats)
+        del tensors
+        return out
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        p = self.program
+        slots, sync, tensors = self._bind(inputs)
+        self._execute(self._plan, slots, sync)
         out = []
         for i in p.outputs:
             t = tensors[i]

@@ -79,7 +79,8 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
         t4 = time.perf_counter()
         compile_kernels(list(program.kernels.values()))  # again: every object from the cache
         t5 = time.perf_counter()
-    compiled = CompiledModule(graph, "cpu", NativeRunner(program, module))
+    runner = NativeRunner(program, module)
+    compiled = CompiledModule(graph, "cpu", runner)
     row.update(export_s=t1 - t0, graph_s=t2 - t1, schedule_s=t3 - t2, codegen_s=t4 - t3, codegen_warm_s=t5 - t4,
                kernels=len(program.launches), unique_kernels=len(program.kernels),
                peak_mib=program.peak_bytes / 2**20, nodes=len(graph.nodes))
@@ -87,7 +88,7 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
     row["max_err"] = (got - expected).abs().max().item()
     row["rel_err"] = row["max_err"] / max(expected.abs().max().item(), 1e-30)
     row["sextant_ms"] = _median_time(lambda: compiled(*args)) * 1e3
-    row["profile"] = profile(program, module, [a for a in args if isinstance(a, torch.Tensor)],
+    row["profile"] = profile(runner, program, [a for a in args if isinstance(a, torch.Tensor)],
                              row["sextant_ms"])  # type: ignore[arg-type]
 
     if inductor:
@@ -102,24 +103,12 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
     return row
 
 
-def profile(program: object, module: object, inputs: list[torch.Tensor], total_ms: float) -> dict[str, object]:
-    """Each launch timed alone (median of a few), summed per kernel kind; the rest of a call's time
-    (allocating outputs, the executor's barriers, the hand-off to the worker thread) is overhead."""
-    from sextant.runtime.program_runner import ProgramRunner
-
-    per_launch: list[float] = []
-
-    def timed(kernel: str, buffers: list[torch.Tensor], blocks: int) -> None:
-        run = module.prepare(kernel, buffers, blocks)  # type: ignore[attr-defined]
-        run()
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            run()
-            ts.append(time.perf_counter() - t0)
-        per_launch.append(statistics.median(ts) * 1e3)
-
-    ProgramRunner(program, timed)(inputs)  # type: ignore[arg-type]
+def profile(runner: object, program: object, inputs: list[torch.Tensor], total_ms: float) -> dict[str, object]:
+    """Each launch's time inside the native executor (``NativeRunner.profile``: its plan row run
+    back to back, no Python between), summed per kernel kind; the rest of a call's time
+    (allocating outputs, argument slots, the executor's barriers, the hand-off to the worker
+    thread) is overhead."""
+    per_launch = [s * 1e3 for s in runner.profile(inputs)]  # type: ignore[attr-defined]
     kinds: dict[str, float] = {}
     worst = (0.0, "")
     for launch, ms in zip(program.launches, per_launch):  # type: ignore[attr-defined]
@@ -242,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         "stage again with every kernel's object in the cache (`sextant/codegen/objects.py`).\n\n"
         + table + "\n\n" + ratios_summary(rows) + "\n\n"
         "### Where sextant's time goes\n\n"
-        "Each launch timed alone (median of 5), summed per kernel kind; *overhead* is the rest of a call "
-        "(outputs allocated, the executor's barriers and hand-off; negative when launches run faster "
-        "back to back than alone).\n\n" + profile_markdown(rows) + "\n"
+        "Each launch timed inside the native executor (its plan row run 10 times back to back after a "
+        "whole forward, `NativeRunner.profile`), summed per kernel kind; *overhead* is the rest of a call "
+        "(outputs allocated, argument slots, the executor's barriers and the hand-off to the second "
+        "worker thread; slightly negative when a launch runs faster in the forward, its inputs still in "
+        "cache, than repeated).\n\n" + profile_markdown(rows) + "\n"
     )
     print(table)
     if ns.out:

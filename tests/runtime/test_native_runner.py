@@ -98,3 +98,15 @@ def test_inputs_that_are_views_or_outputs_and_the_checked_build(monkeypatch: pyt
     checked = sextant.compile(PassThrough(), (x, y), target="cpu")
     assert isinstance(checked._executor, ProgramRunner)  # reports races launch by launch
     torch.testing.assert_close(checked(x, y)[1], y.exp() + x)
+
+
+def test_profile_times_every_launch_inside_the_executor():
+    from sextant.examples import EXAMPLES
+
+    model, args = EXAMPLES["transformer-block"]()
+    compiled = sextant.compile(model, args, target="cpu")
+    runner = next(v for v in vars(compiled).values() if isinstance(v, NativeRunner))
+    want = compiled(*args)
+    times = runner.profile(list(args), repeats=3)
+    assert len(times) == len(compiled.stages["program"].launches) and all(t >= 0 for t in times) and sum(times) > 0
+    torch.testing.assert_close(compiled(*args), want)  # profiling leaves the runner as it was
