@@ -110,3 +110,17 @@ def test_profile_times_every_launch_inside_the_executor():
     times = runner.profile(list(args), repeats=3)
     assert len(times) == len(compiled.stages["program"].launches) and all(t >= 0 for t in times) and sum(times) > 0
     torch.testing.assert_close(compiled(*args), want)  # profiling leaves the runner as it was
+
+
+def test_a_small_forward_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sextant.examples import EXAMPLES
+
+    monkeypatch.setenv("SEXTANT_CPU_THREADS", "2")
+    model, args = EXAMPLES["mlp"]()
+    compiled = sextant.compile(model, args, target="cpu")
+    runner = next(v for v in vars(compiled).values() if isinstance(v, NativeRunner))
+    assert runner.workers == 1 and not any(runner._plan[1 + FIELDS * i + 4] & PARALLEL for i in range(runner._plan[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args), model(*args))
+    _, _, big, _ = _runners(monkeypatch, 2)
+    assert big.workers == 2  # a 256x512x512 matmul is worth the second thread
