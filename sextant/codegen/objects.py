@@ -89,6 +89,19 @@ def optimize(text: str, tm: llvm.TargetMachine, options: PassOptions) -> llvm.Mo
     return mod
 
 
+MAX_WORKERS = 8  # forks of a process holding torch and a model: enough to matter, few enough to stay cheap
+
+
+def compile_workers() -> int:
+    """Processes a compile may use: the CPUs this process may run on (a container's share, not
+    the host's count), at most ``MAX_WORKERS``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_WORKERS))
+
+
 def _compile_one(text: str, tm: llvm.TargetMachine, options: PassOptions) -> bytes:
     return tm.emit_object(optimize(text, tm, options))
 
@@ -200,7 +213,7 @@ def build_objects(keys: Sequence[str], make_text: Callable[[int], str], tm: llvm
                 objs[i] = p.read_bytes()
                 os.utime(p)  # recently used: pruned last
     missing = [i for i, o in enumerate(objs) if o is None]
-    n = min(workers if workers is not None else (os.cpu_count() or 1), len(missing))
+    n = min(workers if workers is not None else compile_workers(), len(missing))
     if n > 1 and len(missing) >= MIN_PARALLEL and hasattr(os, "fork") and sys.platform.startswith("linux"):
         sizes = [size_hint(i) if size_hint else 1 for i in missing]
         fresh = _compile_forked(make_text, missing, sizes, tm, options, n)
