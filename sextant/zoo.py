@@ -103,7 +103,8 @@ def mobilenet_v2() -> tuple[nn.Module, tuple]:
     from transformers import MobileNetV2Config, MobileNetV2Model
     _seed()
     cfg = MobileNetV2Config(image_size=64, depth_multiplier=0.5)
-    return _Logits(MobileNetV2Model(cfg).eval(), "last_hidden_state"), (torch.randn(2, 3, 64, 64),)
+    model = _calibrated(MobileNetV2Model(cfg), torch.randn(8, 3, 64, 64))
+    return _Logits(model, "last_hidden_state"), (torch.randn(2, 3, 64, 64),)
 
 
 def convnext() -> tuple[nn.Module, tuple]:
