@@ -26,10 +26,10 @@ broadcast), 1 (one vector load) or anything else (a gather, lane by lane).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from sextant.kernel.ir import Assign, Binary, Cast, Const, Expr, For, Load, Select, Store, Unary, Var
+from sextant.codegen.simt import expr_loads, expr_vars, iter_expr
+from sextant.kernel.ir import Assign, Binary, Const, Expr, For, Load, Select, Store, Var
 
 CONTIGUOUS, UNIFORM = 1, 0
 
@@ -51,30 +51,6 @@ class LanePlan:
 
     def coefficient(self, e: Expr) -> int | None:
         return self.linear.coefficient(e)
-
-
-def _children(e: Expr) -> tuple[Expr, ...]:
-    if isinstance(e, (Unary, Cast)):
-        return (e.a,)
-    if isinstance(e, Binary):
-        return (e.a, e.b)
-    if isinstance(e, Select):
-        return (e.cond, e.a, e.b)
-    if isinstance(e, Load):
-        return (e.index,)
-    return ()
-
-
-def _walk(e: Expr) -> Iterator[Expr]:
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        yield x
-        stack.extend(_children(x))
-
-
-def _reads(e: Expr) -> set[str]:
-    return {x.name for x in _walk(e) if isinstance(x, Var)}
 
 
 class _Linear:
@@ -125,7 +101,7 @@ class _Linear:
         """Whether ``e`` reads the loop variable (directly or through a register set from it)."""
         hit = self.dep_memo.get(id(e))
         if hit is None:
-            hit = self.dep_memo[id(e)] = (e, any(isinstance(x, Var) and self._var_depends(x.name) for x in _walk(e)))
+            hit = self.dep_memo[id(e)] = (e, any(self._var_depends(v) for v in expr_vars(e)))
         return hit[1]
 
     def _var_depends(self, name: str) -> bool:
@@ -168,7 +144,7 @@ def plan_lanes(loop: For, max_width: int) -> LanePlan | None:
     assigned: set[str] = set()
     defs: dict[str, Expr] = {}
     for s in loop.body:
-        reads = _reads(s.value) | (_reads(s.index) if isinstance(s, Store) else set())
+        reads = expr_vars(s.value) | (expr_vars(s.index) if isinstance(s, Store) else set())
         if reads & (body_assigns - assigned):
             return None  # read before this iteration assigns it: carried from the previous one
         if isinstance(s, Assign):
@@ -189,11 +165,10 @@ def plan_lanes(loop: For, max_width: int) -> LanePlan | None:
             stores.setdefault(s.buffer, []).append(s.index)
             accesses.setdefault(s.buffer, []).append(s.index)
         for e in exprs:
-            for x in _walk(e):
+            for x in iter_expr(e):
                 if isinstance(x, Load):
                     accesses.setdefault(x.buffer, []).append(x.index)
-                elif isinstance(x, Select) and lin.depends(x.cond) and any(
-                        isinstance(y, Load) for arm in (x.a, x.b) for y in _walk(arm)):
+                elif isinstance(x, Select) and lin.depends(x.cond) and (expr_loads(x.a) or expr_loads(x.b)):
                     return None
     for buf, idxs in stores.items():
         forms = []

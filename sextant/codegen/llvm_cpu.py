@@ -56,9 +56,7 @@ from sextant.gcpause import gc_paused
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Assign,
-    Binary,
     Buffer,
-    Cast,
     Const,
     Expr,
     For,
@@ -66,7 +64,6 @@ from sextant.kernel.ir import (
     Load,
     Select,
     Special,
-    Unary,
     Var,
 )
 from sextant.runtime.cpu import CpuModule, estimate_work
@@ -575,14 +572,9 @@ class _KernelLowering(LoweringBase):
                         raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
                     raw = self.b.insert_element(raw, self._access(self.b.load(ptr, typ=mty), e.buffer), at)
             return m.from_mem(raw, e.dtype)
-        if isinstance(e, Unary):
-            self._check_type(e.op, [e.a.dtype], e.dtype)
-            return m.unary(e.op, self._lane(e.a), e.a.dtype)
-        if isinstance(e, Binary):
-            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
-            return m.binary(e.op, self._lane(e.a), self._lane(e.b), e.a.dtype)
-        if isinstance(e, Cast):
-            return m.cast(self._lane(e.a), e.a.dtype, e.dtype)
+        op = self._op(e, self._lane)
+        if op is not None:
+            return op
         if isinstance(e, Select):
             self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
             return self._lane_select(e, w)
@@ -596,19 +588,13 @@ class _KernelLowering(LoweringBase):
         cond = self._lane(e.cond)
         if isinstance(cond.type, ir.VectorType) or not (expr_loads(e.a) or expr_loads(e.b)):
             return self.math.select(cond, self._lane(e.a), self._lane(e.b))
-        b = self.b
-        saved = (dict(self.memo), dict(self.lane_memo))
-        with b.if_else(cond) as (then, orelse):
-            with then:
-                va, ba = b.splat(self._lane(e.a), w), b.block
-            self.memo, self.lane_memo = dict(saved[0]), dict(saved[1])
-            with orelse:
-                vb, bb = b.splat(self._lane(e.b), w), b.block
-        self.memo, self.lane_memo = saved
-        phi = b.phi(va.type)
-        phi.add_incoming(va, ba)
-        phi.add_incoming(vb, bb)
-        return phi
+        return self._branch(cond, lambda: self.b.splat(self._lane(e.a), w), lambda: self.b.splat(self._lane(e.b), w))
+
+    def _memos(self) -> tuple[dict, ...]:
+        return (self.memo, self.lane_memo)
+
+    def _set_memos(self, memos: tuple[dict, ...]) -> None:
+        self.memo, self.lane_memo = memos
 
     # -- expressions (the rest is LoweringBase's) ---------------------------------------------
     def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:

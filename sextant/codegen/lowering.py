@@ -185,18 +185,27 @@ class LoweringBase:
             if buf.dtype != e.dtype:
                 raise self._fail(f"load of {e.dtype.value} from {buf.name} ({buf.dtype.value})")
             return m.from_mem(self._access(self.b.load(ptr, typ=mem_type(buf.dtype)), e.buffer), buf.dtype)
-        if isinstance(e, Unary):
-            self._check_type(e.op, [e.a.dtype], e.dtype)
-            return m.unary(e.op, self._value(e.a), e.a.dtype)
-        if isinstance(e, Binary):
-            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
-            return m.binary(e.op, self._value(e.a), self._value(e.b), e.a.dtype)
-        if isinstance(e, Cast):
-            return m.cast(self._value(e.a), e.a.dtype, e.dtype)
+        op = self._op(e, self._value)
+        if op is not None:
+            return op
         if isinstance(e, Select):
             self._check_type("where", [e.cond.dtype, e.a.dtype, e.b.dtype], e.dtype)
             return self._select(e)
         raise self._fail(f"unknown expression {e!r}")
+
+    def _op(self, e: Expr, operand: Callable[[Expr], ir.Value]) -> ir.Value | None:
+        """A ``Unary``, ``Binary`` or ``Cast`` of its operands' values (``operand``: scalar, or the
+        CPU's vector lanes); None for any other expression."""
+        m = self.math
+        if isinstance(e, Unary):
+            self._check_type(e.op, [e.a.dtype], e.dtype)
+            return m.unary(e.op, operand(e.a), e.a.dtype)
+        if isinstance(e, Binary):
+            self._check_type(e.op, [e.a.dtype, e.b.dtype], e.dtype)
+            return m.binary(e.op, operand(e.a), operand(e.b), e.a.dtype)
+        if isinstance(e, Cast):
+            return m.cast(operand(e.a), e.a.dtype, e.dtype)
+        return None
 
     def _select(self, e: Select) -> ir.Value:
         """A ``select``; but when an arm loads memory, only the chosen arm is evaluated (the
@@ -204,15 +213,28 @@ class LoweringBase:
         cond = self._value(e.cond)
         if not (expr_loads(e.a) or expr_loads(e.b)):
             return self.math.select(cond, self._value(e.a), self._value(e.b))
+        return self._branch(cond, lambda: self._value(e.a), lambda: self._value(e.b))
+
+    def _memos(self) -> tuple[dict, ...]:
+        """The memo tables an arm of a branch may fill (forgotten when the arm ends)."""
+        return (self.memo,)
+
+    def _set_memos(self, memos: tuple[dict, ...]) -> None:
+        (self.memo,) = memos
+
+    def _branch(self, cond: ir.Value, then: Callable[[], ir.Value], orelse: Callable[[], ir.Value]) -> ir.Value:
+        """``then() if cond else orelse()`` with only the chosen arm evaluated: an if/else whose
+        two values meet in a phi; what either arm memoised is forgotten after it."""
         b = self.b
-        saved = dict(self.memo)
-        with b.if_else(cond) as (then, orelse):
-            with then:
-                va, ba = self._value(e.a), b.block
-            self.memo = dict(saved)
-            with orelse:
-                vb, bb = self._value(e.b), b.block
-        self.memo = saved
+        saved = self._memos()
+        self._set_memos(tuple(dict(m) for m in saved))
+        with b.if_else(cond) as (then_bb, orelse_bb):
+            with then_bb:
+                va, ba = then(), b.block
+            self._set_memos(tuple(dict(m) for m in saved))
+            with orelse_bb:
+                vb, bb = orelse(), b.block
+        self._set_memos(saved)
         phi = b.phi(va.type)
         phi.add_incoming(va, ba)
         phi.add_incoming(vb, bb)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -125,8 +126,6 @@ class NativeRunner:
         """Seconds per launch (in plan order), each measured as its plan row run ``repeats`` times
         back to back by the native executor, after one whole forward has filled every buffer —
         so a launch costs what it costs inside a forward, without a Python call per launch."""
-        import time
-
         slots, sync, tensors = self._bind(inputs)
         self._execute(self._plan, slots, sync)
         empty = (ctypes.c_int32 * 1)(0)
