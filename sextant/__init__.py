@@ -3,9 +3,10 @@
     compiled = sextant.compile(model, (x,))   # capture → graph IR → passes → target
     compiled(x)                               # behaves like model(x)
     compiled.save("out/"); sextant.load("out/")  # ahead-of-time artifact, no pickle
+    sextant.compile_onnx("model.onnx")        # the second frontend: ONNX files in
 """
 
-from sextant.api import compile
+from sextant.api import compile, compile_graph, compile_onnx
 from sextant.errors import ArtifactError, ExportError, InputError, SextantError, UnsupportedOpError
 from sextant.frontend.capture import capture
 from sextant.runtime.artifact import load
@@ -13,5 +14,5 @@ from sextant.runtime.compiled import CompiledModule
 
 __all__ = [
     "ArtifactError", "CompiledModule", "ExportError", "InputError", "SextantError", "UnsupportedOpError", "capture",
-    "compile", "load",
+    "compile", "compile_graph", "compile_onnx", "load",
 ]

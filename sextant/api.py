@@ -15,6 +15,7 @@ from sextant.gcpause import gc_paused
 from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
 from sextant.runtime.compiled import CompiledModule
+from sextant.runtime.onnx_module import OnnxCompiledModule
 
 TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
 # ``progress(stage)`` returns a context manager that brackets one compile stage (for progress
@@ -65,11 +66,26 @@ def compile(  # mirrors torch.compile
 def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,
              arch: str | None, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
              progress: StageHook | None) -> CompiledModule:
-    from sextant.graph.passes import run_pipeline
-
     step = progress or (lambda _: contextlib.nullcontext())
     with step("capture"):
         captured = capture(module, args, kwargs)
+    return compile_graph(captured, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
+                         stream=stream, progress=step)
+
+
+def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = None,
+                  pipeline: str | Sequence[str] = "default", print_after_all: bool = False,
+                  stream: TextIO = sys.stdout, progress: StageHook | None = None) -> CompiledModule:
+    """The stages after the frontend, shared by every frontend: graph passes, then ``target``'s backend.
+
+    ``captured`` is a verified graph from ``sextant.capture`` or the ONNX frontend; the other
+    arguments mean what they mean for :func:`compile`.
+    """
+    from sextant.graph.passes import run_pipeline
+
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
+    step = progress or (lambda _: contextlib.nullcontext())
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     stages: dict[str, Any] = {"captured": captured}
@@ -151,3 +167,39 @@ def _compile_cpu(graph: Graph, stages: dict[str, Any], step: StageHook) -> Compi
     runner = ProgramRunner(program, module.launch) if isinstance(module, CheckedCpuModule) else \
         NativeRunner(program, module)
     return CompiledModule(graph, "cpu", runner, stages=stages)
+
+
+def compile_onnx(  # the ONNX frontend's entry point; everything after the import is compile_graph
+    model: Any,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    target: str = "cpu",
+    arch: str | None = None,
+    pipeline: str | Sequence[str] = "default",
+    print_after_all: bool = False,
+    stream: TextIO = sys.stdout,
+    progress: StageHook | None = None,
+) -> OnnxCompiledModule:
+    """Compile an ONNX model (a ``.onnx`` path, its bytes, or an ``onnx.ModelProto``) for ``target``.
+
+    ``input_shapes`` maps input names to static shapes for inputs whose declared shape has
+    symbolic dimensions (``{"input_ids": [1, 128]}``). The result takes numpy arrays or torch
+    tensors — positionally in the model's input order, by input name, or as one ``{name: array}``
+    dict — and returns the outputs in the same kind (``.run(feed)`` mirrors onnxruntime's
+    ``InferenceSession.run(None, feed)``).
+    """
+    from sextant.frontend.onnx import import_onnx
+
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
+    if target == "cuda":
+        from sextant.runtime.cuda import require_cuda
+
+        require_cuda()
+    step = progress or (lambda _: contextlib.nullcontext())
+    with gc_paused():
+        with step("capture"):
+            graph = import_onnx(model, input_shapes)
+        compiled = compile_graph(graph, target=target, arch=arch, pipeline=pipeline,
+                                 print_after_all=print_after_all, stream=stream, progress=step)
+    return OnnxCompiledModule(compiled)

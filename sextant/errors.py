@@ -23,10 +23,13 @@ class SextantError(Exception):
 class UnsupportedOpError(SextantError):
     """The model uses ATen ops (or argument combinations) sextant has no lowering for."""
 
-    def __init__(self, items: list[UnsupportedOp]) -> None:
+    def __init__(self, items: list[UnsupportedOp], *, frontend: str = "ATen",
+                 hint: str = "Support for an op is added as a lowering in sextant/frontend/lowerings/ "
+                             "(see docs/frontend.md, 'Adding an op').") -> None:
         self.items = items
+        self.frontend = frontend
         ops = sorted({i.op for i in items})
-        lines = [f"sextant cannot compile this model: {len(ops)} unsupported ATen op(s): {', '.join(ops)}"]
+        lines = [f"sextant cannot compile this model: {len(ops)} unsupported {frontend} op(s): {', '.join(ops)}"]
         for it in items:
             where = f"{it.source}" + (f"  in {it.module}" if it.module else "")
             lines.append(f"  - {it.op} at {where}")
@@ -34,11 +37,15 @@ class UnsupportedOpError(SextantError):
                 lines.append(f"        {it.code}")
             if it.reason:
                 lines.append(f"      reason: {it.reason}")
-        lines.append(
-            "Support for an op is added as a lowering in sextant/frontend/lowerings/ "
-            "(see docs/frontend.md, 'Adding an op')."
-        )
+        lines.append(hint)
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # picklable across worker processes (the ONNX conformance tool's pool)
+        return (_rebuild_unsupported, (self.items, self.frontend, str(self).splitlines()[-1]))
+
+
+def _rebuild_unsupported(items: list[UnsupportedOp], frontend: str, hint: str) -> UnsupportedOpError:
+    return UnsupportedOpError(items, frontend=frontend, hint=hint)
 
 
 class ExportError(SextantError):

@@ -1,0 +1,213 @@
+"""ONNX ModelProto → sextant graph IR.
+
+The second frontend: an ONNX model (a file, bytes, or a loaded ``ModelProto``) becomes the same
+graph IR that ``sextant.capture`` produces from PyTorch, so every later stage serves both.
+Initializers become ``param`` nodes, graph inputs ``input`` nodes (with static shapes: symbolic
+dimensions must be given in ``input_shapes``), and each node is handed to its translation in
+``ONNX_OPS``. Unsupported ops, attributes and element types are collected over the whole model
+and raised together as one :class:`~sextant.errors.UnsupportedOpError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from sextant.errors import SextantError, UnsupportedOp, UnsupportedOpError
+from sextant.frontend.lowerings import Unsupported
+from sextant.frontend.onnx.dtypes import from_onnx, onnx_type_name, tensor_from_proto, unsupported_dtype
+from sextant.frontend.onnx.registry import ONNX_OPS, OnnxContext
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.ir import Graph, InputLeaf, Node
+from sextant.graph.ops import IRTypeError
+from sextant.graph.verifier import verify
+
+OnnxModel = Any  # onnx.ModelProto | str | os.PathLike | bytes
+MIN_OPSET = 7  # older models predate the ops' current semantics; 13–23 is the range the issue asks for
+HINT = "Support for an ONNX op is added as a translation in sextant/frontend/onnx/ (see docs/onnx.md)."
+
+
+class OnnxImportError(SextantError, ValueError):
+    """The ONNX model is malformed, or its inputs' shapes are not static and were not given."""
+
+
+def _onnx() -> Any:
+    try:
+        import onnx
+    except ImportError as e:  # pragma: no cover - the dev extra installs it
+        raise OnnxImportError("sextant's ONNX frontend needs the onnx package: pip install onnx") from e
+    return onnx
+
+
+def load(model: OnnxModel) -> Any:
+    """A ModelProto from a path, bytes or a ModelProto, with model-local functions inlined."""
+    onnx = _onnx()
+    if isinstance(model, (str, os.PathLike)):
+        try:
+            model = onnx.load(os.fspath(model))
+        except FileNotFoundError:
+            raise OnnxImportError(f"ONNX file {os.fspath(model)!r} does not exist") from None
+        except Exception as e:
+            raise OnnxImportError(f"cannot read ONNX file {os.fspath(model)!r}: {type(e).__name__}: {e}") from e
+    elif isinstance(model, (bytes, bytearray)):
+        model = onnx.load_from_string(bytes(model))
+    elif not isinstance(model, onnx.ModelProto):
+        raise TypeError(f"expected an ONNX ModelProto, a path or bytes, got {type(model).__name__}")
+    if len(model.functions):
+        from onnx import inliner
+
+        model = inliner.inline_local_functions(model)
+    return model
+
+
+def opset_version(model: Any) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    raise OnnxImportError("the ONNX model imports no ai.onnx opset")
+
+
+def _attrs(node: Any) -> dict[str, Any]:
+    from onnx import helper
+
+    out = {}
+    for a in node.attribute:
+        if a.ref_attr_name:
+            raise Unsupported(f"attribute {a.name!r} refers to a function attribute")
+        out[a.name] = a.t if a.type == a.TENSOR else helper.get_attribute_value(a)
+    return out
+
+
+def _input_shape(vi: Any, given: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
+    if vi.name in given:
+        return tuple(int(d) for d in given[vi.name])
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        raise OnnxImportError(f"input {vi.name!r} has no shape; pass input_shapes={{{vi.name!r}: [...]}}")
+    dims = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value") and d.dim_value >= 0:
+            dims.append(int(d.dim_value))
+        else:
+            sym = d.dim_param or "?"
+            raise OnnxImportError(
+                f"input {vi.name!r} has a symbolic dimension {sym!r} (shape "
+                f"[{', '.join(x.dim_param or str(x.dim_value) for x in tt.shape.dim)}]); sextant compiles static "
+                f"shapes: pass input_shapes={{{vi.name!r}: [...]}}")
+    return tuple(dims)
+
+
+def _graph_name(model: Any, name: str | None) -> str:
+    return re.sub(r"\W", "_", name or model.graph.name or "onnx") or "onnx"
+
+
+def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | None = None, *,
+                name: str | None = None) -> Graph:
+    """Translate an ONNX model into a verified sextant graph (inputs in the model's input order)."""
+    model = load(model)
+    opset = opset_version(model)
+    g = model.graph
+    given = dict(input_shapes or {})
+    init_names = {t.name for t in g.initializer}
+    graph_inputs = [vi for vi in g.input if vi.name not in init_names]
+    unknown = set(given) - {vi.name for vi in graph_inputs}
+    if unknown:
+        raise OnnxImportError(f"input_shapes names {sorted(unknown)}, which are not inputs of the model "
+                              f"(inputs: {[vi.name for vi in graph_inputs]})")
+    b = GraphBuilder(_graph_name(model, name))
+    problems: list[UnsupportedOp] = []
+    env: dict[str, Node | None] = {"": None}
+
+    def problem(op: str, where: str, reason: str) -> None:
+        problems.append(UnsupportedOp(op, where, "", f"opset {opset}", reason))
+
+    for t in g.initializer:
+        dtype = from_onnx(t.data_type)
+        if dtype is None:
+            problem("<initializer>", f"initializer {t.name!r}", unsupported_dtype(t.data_type))
+            continue
+        env[t.name] = b.param(t.name, tensor_from_proto(t))
+    leaves = []
+    for vi in graph_inputs:
+        if vi.type.WhichOneof("value") != "tensor_type":
+            problem("<input>", f"input {vi.name!r}", f"a {vi.type.WhichOneof('value')} input (only tensors)")
+            continue
+        dtype = from_onnx(vi.type.tensor_type.elem_type)
+        if dtype is None:
+            problem("<input>", f"input {vi.name!r}", unsupported_dtype(vi.type.tensor_type.elem_type))
+            continue
+        env[vi.name] = b.input(vi.name, _input_shape(vi, given), dtype)
+        leaves.append(InputLeaf(vi.name, len(b.inputs) - 1))
+
+    consts: dict[int, torch.Tensor] = {}
+    for i, node in enumerate(g.node):
+        label = f"{node.op_type} node {node.name!r}" if node.name else f"{node.op_type} node #{i}"
+        op_name = f"{node.domain or 'ai.onnx'}::{node.op_type}"
+        missing = [x for x in node.input if x not in env]
+        if missing:  # an input failed earlier (already reported) or is produced nowhere
+            if not problems:
+                raise OnnxImportError(f"{label} reads {missing[0]!r}, which no earlier node, input or initializer "
+                                      "defines (is the graph topologically sorted?)")
+            continue
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_OPS:
+            reason = f"custom domain {node.domain!r}" if node.domain not in ("", "ai.onnx") else \
+                "no translation for this op"
+            problem(op_name, label, reason)
+            continue
+        b.loc = node.name or f"{node.op_type}#{i}"
+        try:
+            ctx = OnnxContext(b, node, opset, _attrs(node), consts)
+            result = ONNX_OPS[node.op_type](ctx, *(env[x] for x in node.input))
+        except Unsupported as e:
+            problem(op_name, label, str(e))
+            continue
+        except (IRTypeError, ValueError) as e:
+            problem(op_name, label, f"{type(e).__name__}: {e}")
+            continue
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        for k, out in enumerate(node.output):
+            if not out:
+                continue
+            if k >= len(results) or results[k] is None:
+                problem(op_name, label, f"output {k} ({out!r}) is not produced by sextant's translation")
+                break
+            env[out] = results[k]
+    b.loc = None
+    outputs = []
+    for vi in g.output:
+        if vi.name not in env or env[vi.name] is None:
+            if not problems:
+                raise OnnxImportError(f"graph output {vi.name!r} is produced by no node")
+            continue
+        node = env[vi.name]
+        _check_output(vi, node, problem)
+        outputs.append(node)
+    if problems:
+        raise UnsupportedOpError(problems, frontend="ONNX", hint=HINT)
+    graph = b.build(outputs, None, None, leaves)
+    verify(graph, where="onnx import")
+    return graph
+
+
+def _check_output(vi: Any, node: Node, problem: Any) -> None:
+    """A translation must produce the element type (and static shape) the model declares."""
+    tt = vi.type.tensor_type
+    if vi.type.WhichOneof("value") != "tensor_type":
+        problem("<output>", f"output {vi.name!r}", "only tensor outputs are supported")
+        return
+    want = from_onnx(tt.elem_type) if tt.elem_type else node.dtype
+    if want is None:
+        problem("<output>", f"output {vi.name!r}", unsupported_dtype(tt.elem_type))
+        return
+    if want != node.dtype:
+        raise OnnxImportError(f"output {vi.name!r}: the model declares {onnx_type_name(tt.elem_type)}, sextant's "
+                              f"translation produced {node.dtype.value} (a translation bug)")
+    if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+        shape = tuple(int(d.dim_value) for d in tt.shape.dim)
+        if shape != node.shape:
+            raise OnnxImportError(f"output {vi.name!r}: the model declares shape {list(shape)}, sextant's "
+                                  f"translation produced {list(node.shape)} (a translation bug)")

@@ -1,0 +1,150 @@
+"""The table from ONNX op types to translation functions, and the context a translation sees.
+
+A translation receives an :class:`OnnxContext` and the node's inputs as graph-IR nodes (``None``
+for an omitted optional input); it returns a node or a list of nodes (one per ONNX output).
+Attributes are read through ``ctx.attr``; inputs that ONNX passes as tensors but that must be
+known at compile time (a Reshape's shape, a Slice's starts) through ``ctx.ints``/``ctx.const``,
+which evaluate constant subgraphs (Shape → Gather → Concat chains) with the reference executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from sextant.frontend.lowerings import LOWERINGS, LoweringContext, Unsupported
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node, topo_sort
+from sextant.graph.reference import eval_node
+
+Translation = Callable[..., Any]
+ONNX_OPS: dict[str, Translation] = {}
+
+
+def onnx_op(*op_types: str) -> Callable[[Translation], Translation]:
+    """Register ``fn`` as the translation of each ONNX op type (domain ai.onnx)."""
+
+    def deco(fn: Translation) -> Translation:
+        for t in op_types:
+            ONNX_OPS[t] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class OnnxContext:
+    """What a translation may look at besides its inputs: the builder, the node, the opset."""
+
+    b: GraphBuilder
+    node: Any  # onnx.NodeProto
+    opset: int  # the model's ai.onnx opset version
+    attrs: dict[str, Any] = field(default_factory=dict)
+    _consts: dict[int, torch.Tensor] = field(default_factory=dict)  # shared memo: node id → value
+
+    @property
+    def op_type(self) -> str:
+        return self.node.op_type
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.node.output)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    # -- compile-time values ----------------------------------------------------------------
+    def const(self, x: Node | None, what: str = "input") -> torch.Tensor:
+        """The value of ``x`` when it does not depend on a graph input, else :class:`Unsupported`."""
+        if x is None:
+            raise Unsupported(f"{self.op_type}: {what} is missing")
+        value = constant_value(x, self.b.params, self._consts)
+        if value is None:
+            raise Unsupported(f"{self.op_type}: {what} must be known at compile time (sextant needs static "
+                              "shapes), but it depends on a graph input")
+        return value
+
+    def ints(self, x: Node | None, what: str = "input") -> list[int]:
+        return [int(v) for v in self.const(x, what).reshape(-1).tolist()]
+
+    def is_const(self, x: Node | None) -> bool:
+        return x is not None and constant_value(x, self.b.params, self._consts) is not None
+
+    def tensor(self, value: torch.Tensor | np.ndarray, name: str = "const") -> Node:
+        """A constant tensor as a graph node (a ``full`` when all elements are equal, else a ``param``)."""
+        t = torch.as_tensor(value)
+        dtype = DType.from_torch(t.dtype)
+        flat = t.reshape(-1)
+        if t.numel() == 0:
+            return self.b.full(0, tuple(t.shape), dtype)
+        if t.numel() == 1 or bool((flat == flat[0]).all()):
+            return self.b.full(flat[0].item(), tuple(t.shape), dtype)
+        base = f"onnx.{self.node.name or self.op_type}.{name}"
+        key, k = base, 0
+        while key in self.b.params:
+            k += 1
+            key = f"{base}.{k}"
+        return self.b.param(key, t)
+
+    # -- reuse of the ATen lowerings -----------------------------------------------------------
+    def aten(self, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+        """Lower ``op(*args, **kwargs)`` with sextant's ATen lowering (one table for both frontends):
+        torch's meta kernel supplies the result's shape and dtype the lowering may ask for."""
+        def meta(v: Any) -> Any:
+            if isinstance(v, Node):
+                return torch.empty(v.shape, dtype=v.dtype.torch, device="meta")
+            if isinstance(v, (list, tuple)):
+                return type(v)(meta(i) for i in v)
+            return v
+
+        margs, mkwargs = meta(args), {k: meta(v) for k, v in kwargs.items()}
+        try:
+            val = op(*margs, **mkwargs)
+        except Exception as e:
+            raise Unsupported(f"{self.op_type}: {op} rejects these arguments: {e}") from None
+        fake = SimpleNamespace(target=op, meta={"val": val},
+                               args=[SimpleNamespace(meta={"val": a}) for a in margs])
+        return LOWERINGS[op](LoweringContext(self.b, fake), *args, **kwargs)  # type: ignore[arg-type]
+
+
+def constant_value(x: Node, params: dict[str, torch.Tensor], memo: dict[int, torch.Tensor]) -> torch.Tensor | None:
+    """Evaluate ``x`` with the reference executor if no graph input reaches it (else None)."""
+    if id(x) in memo:
+        return memo[id(x)]
+    order = topo_sort([x])
+    if any(n.op == "input" for n in order):
+        return None
+    if sum(n.type.numel for n in order if n.op != "param") > 1 << 22:
+        return None  # large constant subgraphs stay in the graph (constant folding may still run them)
+    env: dict[int, torch.Tensor] = {}
+    for n in order:
+        if id(n) in memo:
+            env[id(n)] = memo[id(n)]
+            continue
+        env[id(n)] = params[n.attr("name")] if n.op == "param" else eval_node(n, [env[id(i)] for i in n.inputs])
+        memo[id(n)] = env[id(n)]
+    return env[id(x)]
+
+
+def axis(ctx: OnnxContext, x: Node, name: str = "axis", default: int = 0) -> int:
+    """An attribute naming an axis of ``x``, normalised to be non-negative and checked."""
+    a = int(ctx.attr(name, default))
+    rank = max(x.type.rank, 1)
+    if not -rank <= a < rank:
+        raise Unsupported(f"{ctx.op_type}: {name}={a} out of range for rank {x.type.rank}")
+    return a % rank
+
+
+def norm_axes(axes: Sequence[int], rank: int, what: str = "axes") -> list[int]:
+    out = []
+    for a in axes:
+        if not -rank <= a < max(rank, 1):
+            raise Unsupported(f"{what} {list(axes)} out of range for rank {rank}")
+        out.append(a % max(rank, 1))
+    return out
