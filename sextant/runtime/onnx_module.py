@@ -68,7 +68,8 @@ class OnnxCompiledModule:
         tensors = []
         for name, node, a in zip(self.input_names, self.compiled.graph.inputs, args):
             if isinstance(a, (np.ndarray, np.generic)):
-                t = torch.from_numpy(np.ascontiguousarray(a))
+                a = np.ascontiguousarray(a)
+                t = torch.from_numpy(a if a.flags.writeable else a.copy())
                 if node.dtype.torch == torch.bfloat16 and t.dtype == torch.float32:
                     t = t.to(torch.bfloat16)  # numpy has no bfloat16: bf16 inputs are given as float32
                 if self.device != "cpu":
