@@ -214,8 +214,9 @@ def _child(folder: Path, targets: Sequence[str], wfd: int) -> None:
     try:
         res = run_case(folder, targets)
         payload = json.dumps(asdict(res)).encode()
-    except BaseException as e:  # noqa: BLE001 - anything becomes this test's error
-        payload = json.dumps(asdict(CaseResult(folder.name, "?", False, ERROR, {}, f"{type(e).__name__}: {e}"))).encode()
+    except BaseException as e:  # anything becomes this test's error
+        failed = CaseResult(folder.name, "?", False, ERROR, {}, f"{type(e).__name__}: {e}")
+        payload = json.dumps(asdict(failed)).encode()
     with os.fdopen(wfd, "wb") as f:
         f.write(payload)
     os._exit(0)
