@@ -20,7 +20,7 @@ from sextant.runtime.onnx_module import OnnxCompiledModule
 TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
 # ``progress(stage)`` returns a context manager that brackets one compile stage (for progress
 # lines and timings, e.g. the ``sextant`` command's); the stage names are these:
-STAGES = ("capture", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu", "load")
+STAGES = ("capture", "onnx-import", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu", "load")
 StageHook = Callable[[str], AbstractContextManager[Any]]
 PLANNED_TARGETS: tuple[str, ...] = ()
 
@@ -198,7 +198,7 @@ def compile_onnx(  # the ONNX frontend's entry point; everything after the impor
         require_cuda()
     step = progress or (lambda _: contextlib.nullcontext())
     with gc_paused():
-        with step("capture"):
+        with step("onnx-import"):
             graph = import_onnx(model, input_shapes)
         compiled = compile_graph(graph, target=target, arch=arch, pipeline=pipeline,
                                  print_after_all=print_after_all, stream=stream, progress=step)

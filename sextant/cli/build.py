@@ -19,6 +19,7 @@ from sextant.cli.models import LoadedModel
 from sextant.cli.progress import Progress
 from sextant.graph.passes import PASSES, PIPELINES, PassResult, trace_pipeline
 from sextant.runtime.compiled import CompiledModule
+from sextant.runtime.onnx_module import OnnxCompiledModule
 
 TARGETS = ("cpu", "cuda", "cuda-sim")
 GPU_TARGETS = ("cuda", "cuda-sim")
@@ -30,7 +31,7 @@ class Build:
 
     model: LoadedModel
     requested_target: str  # what the user asked for
-    compiled: CompiledModule  # compiled.target may be cuda-sim where cuda was asked for (see notes)
+    compiled: CompiledModule | OnnxCompiledModule  # compiled.target may be cuda-sim where cuda was asked for (see notes)
     arch: str
     pipeline: str | list[str]
     seconds: float
@@ -116,8 +117,12 @@ def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline:
     progress.note(f"compiling {model.name} ({type(model.module).__name__}) for {compile_target}"
                   + (f" {arch}" if arch and compile_target in GPU_TARGETS else ""))
     t0 = time.perf_counter()
-    compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
-                               arch=arch, pipeline=pipeline, progress=progress.stage)
+    if model.onnx is not None:
+        compiled = sextant.compile_onnx(model.onnx, model.input_shapes, target=compile_target, arch=arch,
+                                        pipeline=pipeline, progress=progress.stage)
+    else:
+        compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
+                                   arch=arch, pipeline=pipeline, progress=progress.stage)
     seconds = time.perf_counter() - t0
     progress.note(f"compiled in {seconds:.2f} s")
     ptx = compiled.stages.get("ptx")

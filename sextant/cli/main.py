@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from sextant.cli.build import Build
 
 DESCRIPTION = "Compile a PyTorch model with sextant, run it against eager PyTorch, or explain what the compiler did."
-MODEL_HELP = ("a built-in example (mlp, cnn, transformer-block, gpt2) or FILE.py:FACTORY, where FACTORY() returns "
-              "(module, example_args) or (module, example_args, example_kwargs)")
+MODEL_HELP = ("a built-in example (mlp, cnn, transformer-block, gpt2), FILE.py:FACTORY, where FACTORY() returns "
+              "(module, example_args) or (module, example_args, example_kwargs), or an ONNX file FILE.onnx")
 STAGES_HELP = ("comma-separated stages to write: graph, passes (graph IR after every pass), schedule, kernel, llvm, "
                "ptx, sass (needs nvdisasm or cuobjdump), or all")
 
@@ -49,6 +49,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "for cuda)")
     common.add_argument("--pipeline", default="default",
                         help="graph pass pipeline: a name (default) or comma-separated pass names")
+    common.add_argument("--input-shape", metavar="NAME=D0,D1,...", action="append",
+                        help="static shape of an ONNX input with symbolic dimensions (repeatable)")
     common.add_argument("--report", metavar="FILE.html", type=Path, help="also write an HTML report of the compilation")
     common.add_argument("--gpu", default="H100", help="GPU model for roofline estimates (explain, --report)")
     common.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and warnings")
@@ -112,7 +114,7 @@ def _cmd_run(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
 
     result = run_and_compare(build, runs=ns.runs, atol=ns.atol, rtol=ns.rtol, seed=ns.seed, out=out)
     if not result.ok:
-        raise CliError(f"the compiled model's outputs differ from eager PyTorch: max abs error {result.max_abs:.3g}, "
+        raise CliError(f"the compiled model's outputs differ from {build.model.eager_name}: max abs error {result.max_abs:.3g}, "
                        f"max relative {result.max_rel:.3g} (atol={ns.atol:g}, rtol={ns.rtol:g})",
                        "loosen --atol/--rtol if this is rounding; otherwise it is a sextant bug: report it with MODEL",
                        ExitCode.MISMATCH)
@@ -161,7 +163,7 @@ def _check_gpu_name(name: str) -> None:
 
 def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from sextant.cli.build import build, parse_pipeline
-    from sextant.cli.models import load_model
+    from sextant.cli.models import load_model, parse_input_shapes
     from sextant.cli.progress import Progress
 
     if ns.command == "compile" and ns.dump is not None:
@@ -173,7 +175,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     pipeline = parse_pipeline(ns.pipeline)
     _check_gpu_name(ns.gpu)
     progress = Progress(err, enabled=not ns.quiet)
-    model = load_model(ns.model)
+    model = load_model(ns.model, parse_input_shapes(ns.input_shape))
     b = build(model, ns.target, arch=ns.arch, pipeline=pipeline, progress=progress, need_gpu=ns.command == "run")
     code = COMMANDS[ns.command](ns, b, out)
     if ns.report is not None:

@@ -33,10 +33,62 @@ class LoadedModel:
     module: torch.nn.Module
     args: tuple
     kwargs: dict[str, Any] = field(default_factory=dict)
+    onnx: Any = None  # an ONNX ModelProto when MODEL is a .onnx file (module then runs it in onnxruntime)
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)  # --input-shape, for ONNX inputs
 
     @property
     def num_params(self) -> int:
+        if self.onnx is not None:
+            return self.module.num_weights
         return sum(p.numel() for p in self.module.parameters())
+
+    @property
+    def eager_name(self) -> str:
+        """What the compiled model is compared against."""
+        return self.module.runtime if self.onnx is not None else "eager PyTorch (CPU)"
+
+
+def parse_input_shapes(specs: list[str] | None) -> dict[str, list[int]]:
+    """``--input-shape NAME=D0,D1,...`` (repeatable) → ``{NAME: [D0, D1, ...]}``."""
+    out: dict[str, list[int]] = {}
+    for spec in specs or []:
+        name, _, dims = spec.partition("=")
+        try:
+            out[name] = [int(d) for d in dims.split(",") if d.strip()]
+        except ValueError:
+            raise _usage(f"--input-shape {spec!r} is not NAME=D0,D1,...", "e.g. --input-shape input_ids=1,128") from None
+        if not name or not out[name]:
+            raise _usage(f"--input-shape {spec!r} is not NAME=D0,D1,...", "e.g. --input-shape input_ids=1,128")
+    return out
+
+
+def load_onnx_model(spec: str, input_shapes: dict[str, list[int]] | None = None) -> LoadedModel:
+    """A ``.onnx`` file as a LoadedModel: example inputs from its (or the given) input shapes."""
+    from sextant.errors import SextantError
+    from sextant.frontend.onnx import load
+    from sextant.frontend.onnx.dtypes import from_onnx
+    from sextant.frontend.onnx.eager import OnnxModel
+
+    if not Path(spec).is_file():
+        raise _usage(f"ONNX file {spec!r} does not exist", "MODEL is a path to a .onnx file, FILE.py:FACTORY or "
+                     f"a built-in example ({_examples()})")
+    try:
+        model = load(spec)
+    except SextantError as e:
+        raise _usage(str(e), "check that the file is an ONNX model") from e
+    given = dict(input_shapes or {})
+    init = {t.name for t in model.graph.initializer}
+    inputs = [vi for vi in model.graph.input if vi.name not in init]
+    args = []
+    for vi in inputs:
+        tt = vi.type.tensor_type
+        dtype = from_onnx(tt.elem_type)
+        dims = given.get(vi.name) or [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
+        if dtype is None or any(d < 0 for d in dims):
+            args.append(None)  # the import reports it (unsupported type / symbolic dimension) by name
+            continue
+        args.append(torch.randn(dims).to(dtype.torch) if dtype.is_float else torch.zeros(dims, dtype=dtype.torch))
+    return LoadedModel(spec, OnnxModel(model, [vi.name for vi in inputs]), tuple(args), {}, model, given)
 
 
 def _usage(message: str, hint: str) -> CliError:
@@ -124,8 +176,13 @@ def _check(spec: str, value: Any) -> LoadedModel:
     return LoadedModel(spec, module, args, dict(kwargs))
 
 
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str, input_shapes: dict[str, list[int]] | None = None) -> LoadedModel:
     """The module and example inputs MODEL names; raises :class:`CliError` (usage) naming what is wrong."""
+    if spec.endswith(".onnx"):
+        return load_onnx_model(spec, input_shapes)
+    if input_shapes:
+        raise _usage("--input-shape applies to .onnx models only", "PyTorch models take their shapes from the "
+                     "example inputs their factory returns")
     if spec in EXAMPLES:
         fn: Callable[[], Any] = EXAMPLES[spec]
     elif ":" in spec:

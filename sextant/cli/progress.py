@@ -16,6 +16,7 @@ from typing import TextIO
 # what each of ``sextant.compile``'s stages (``sextant.api.STAGES``) is called on the terminal
 LABELS: dict[str, str] = {
     "capture": "capture: torch.export -> graph IR",
+    "onnx-import": "import: ONNX -> graph IR",
     "passes": "graph passes",
     "schedule": "schedule: fusion, memory plan",
     "nvptx": "codegen: LLVM NVPTX -> PTX",

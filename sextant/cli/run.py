@@ -103,11 +103,12 @@ def run_and_compare(build: Build, *, runs: int = 20, atol: float = 1e-4, rtol: f
         t_eager = median_time(lambda: m.module(*args, **kwargs), runs)
     p = lambda *a: print(*a, file=out)
     verdict = "OK" if ok else "MISMATCH"
-    p(f"max |sextant - eager| = {max_abs:.3g} (max relative {max_rel:.3g}) over {n} output tensor(s), "
+    eager = "eager" if m.onnx is None else "onnxruntime"
+    p(f"max |sextant - {eager}| = {max_abs:.3g} (max relative {max_rel:.3g}) over {n} output tensor(s), "
       f"fresh inputs (seed {seed}); tolerance atol={atol:g} rtol={rtol:g}: {verdict}")
     p(f"compile {build.seconds:.2f} s, first call {seconds(first)}")
-    p(f"median of {runs} calls: sextant {c.target} {seconds(t_sextant)}, eager PyTorch (CPU) {seconds(t_eager)} "
-      f"({t_sextant / t_eager:.3g}x eager)")
+    p(f"median of {runs} calls: sextant {c.target} {seconds(t_sextant)}, {m.eager_name} {seconds(t_eager)} "
+      f"({t_sextant / t_eager:.3g}x {eager})")
     if c.target == "cuda-sim":
         p("note: cuda-sim runs the GPU kernels on this CPU through the SIMT lowering; its time says nothing "
           "about GPU speed (see `sextant explain` for roofline estimates)")

@@ -123,7 +123,7 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
     env: dict[str, Node | None] = {"": None}
 
     def problem(op: str, where: str, reason: str) -> None:
-        problems.append(UnsupportedOp(op, where, "", f"opset {opset}", reason))
+        problems.append(UnsupportedOp(f"{op} (opset {opset})" if "::" in op else op, where, "", "", reason))
 
     for t in g.initializer:
         dtype = from_onnx(t.data_type)
@@ -145,12 +145,12 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
 
     consts: dict[int, torch.Tensor] = {}
     for i, node in enumerate(g.node):
-        label = f"{node.op_type} node {node.name!r}" if node.name else f"{node.op_type} node #{i}"
+        label = f"node {node.name!r}" if node.name else f"node #{i} (unnamed)"
         op_name = f"{node.domain or 'ai.onnx'}::{node.op_type}"
         missing = [x for x in node.input if x not in env]
         if missing:  # an input failed earlier (already reported) or is produced nowhere
             if not problems:
-                raise OnnxImportError(f"{label} reads {missing[0]!r}, which no earlier node, input or initializer "
+                raise OnnxImportError(f"{node.op_type} {label} reads {missing[0]!r}, which no earlier node, input or initializer "
                                       "defines (is the graph topologically sorted?)")
             continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_OPS:
