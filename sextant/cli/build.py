@@ -31,7 +31,8 @@ class Build:
 
     model: LoadedModel
     requested_target: str  # what the user asked for
-    compiled: CompiledModule | OnnxCompiledModule  # compiled.target may be cuda-sim where cuda was asked for (see notes)
+    # compiled.target may be cuda-sim where cuda was asked for (see notes)
+    compiled: CompiledModule | OnnxCompiledModule
     arch: str
     pipeline: str | list[str]
     seconds: float

@@ -114,7 +114,8 @@ def _cmd_run(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
 
     result = run_and_compare(build, runs=ns.runs, atol=ns.atol, rtol=ns.rtol, seed=ns.seed, out=out)
     if not result.ok:
-        raise CliError(f"the compiled model's outputs differ from {build.model.eager_name}: max abs error {result.max_abs:.3g}, "
+        raise CliError(f"the compiled model's outputs differ from {build.model.eager_name}: max abs error "
+                       f"{result.max_abs:.3g}, "
                        f"max relative {result.max_rel:.3g} (atol={ns.atol:g}, rtol={ns.rtol:g})",
                        "loosen --atol/--rtol if this is rounding; otherwise it is a sextant bug: report it with MODEL",
                        ExitCode.MISMATCH)

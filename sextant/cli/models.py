@@ -56,7 +56,7 @@ def parse_input_shapes(specs: list[str] | None) -> dict[str, list[int]]:
         try:
             out[name] = [int(d) for d in dims.split(",") if d.strip()]
         except ValueError:
-            raise _usage(f"--input-shape {spec!r} is not NAME=D0,D1,...", "e.g. --input-shape input_ids=1,128") from None
+            out[name] = []
         if not name or not out[name]:
             raise _usage(f"--input-shape {spec!r} is not NAME=D0,D1,...", "e.g. --input-shape input_ids=1,128")
     return out

@@ -228,6 +228,7 @@ def run_all(folders: Sequence[Path], targets: Sequence[str], jobs: int, timeout:
     from sextant.codegen.llvm_cpu import _init_llvm
 
     _init_llvm()  # once, in the parent: every child inherits an initialised LLVM
+    import torch._dynamo  # noqa: F401 - imported lazily by some meta kernels; seconds per child otherwise
     pending = list(folders)
     running: dict[int, tuple[Path, int, float, bytearray]] = {}  # read fd → (folder, pid, start, data)
     results: list[CaseResult] = []

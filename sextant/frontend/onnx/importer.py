@@ -150,8 +150,8 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
         missing = [x for x in node.input if x not in env]
         if missing:  # an input failed earlier (already reported) or is produced nowhere
             if not problems:
-                raise OnnxImportError(f"{node.op_type} {label} reads {missing[0]!r}, which no earlier node, input or initializer "
-                                      "defines (is the graph topologically sorted?)")
+                raise OnnxImportError(f"{node.op_type} {label} reads {missing[0]!r}, which no earlier node, input or "
+                                      "initializer defines (is the graph topologically sorted?)")
             continue
         if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_OPS:
             reason = f"custom domain {node.domain!r}" if node.domain not in ("", "ai.onnx") else \

@@ -149,7 +149,7 @@ def _flatten(ctx: OnnxContext, x: Node) -> Node:
     a = int(ctx.attr("axis", 1))
     if not -r <= a <= r:
         raise Unsupported(f"Flatten: axis={a} out of range for rank {r}")
-    a %= r + 1
+    a = a + r if a < 0 else a
     return ctx.b.reshape(x, (math.prod(x.shape[:a]), math.prod(x.shape[a:])))
 
 

@@ -103,14 +103,32 @@ class OnnxContext:
                 return type(v)(meta(i) for i in v)
             return v
 
-        margs, mkwargs = meta(args), {k: meta(v) for k, v in kwargs.items()}
-        try:
-            val = op(*margs, **mkwargs)
-        except Exception as e:
-            raise Unsupported(f"{self.op_type}: {op} rejects these arguments: {e}") from None
-        fake = SimpleNamespace(target=op, meta={"val": val},
-                               args=[SimpleNamespace(meta={"val": a}) for a in margs])
+        def result() -> Any:
+            try:
+                return op(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
+            except Exception as e:
+                raise Unsupported(f"{self.op_type}: {op} rejects these arguments: {e}") from None
+
+        fake = SimpleNamespace(target=op, meta=_LazyMeta(result),
+                               args=[SimpleNamespace(meta={"val": meta(a)}) for a in args])
         return LOWERINGS[op](LoweringContext(self.b, fake), *args, **kwargs)  # type: ignore[arg-type]
+
+
+class _LazyMeta:
+    """An FX node's ``meta`` whose ``"val"`` is computed on first use: most lowerings never ask, and
+    the meta kernels of ops written as Python references import torch._dynamo (seconds) on first call."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute = compute
+        self._val: Any = None
+        self._done = False
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key != "val":
+            return default
+        if not self._done:
+            self._val, self._done = self._compute(), True
+        return self._val
 
 
 def constant_value(x: Node, params: dict[str, torch.Tensor], memo: dict[int, torch.Tensor]) -> torch.Tensor | None:
