@@ -9,9 +9,10 @@ import torch
 from onnx import TensorProto, helper
 
 import sextant
-from onnx_frontend.models import make, mlp_with_shape_glue, value
 from sextant.frontend.onnx import OnnxImportError, import_onnx
 from sextant.graph.reference import run_graph
+
+from .models import make, mlp_with_shape_glue, value
 
 
 def _relu_model(shape: list) -> onnx.ModelProto:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import sextant
-from onnx_frontend.models import export, mlp_with_shape_glue
 from sextant.examples import EXAMPLES
 from sextant.frontend.onnx.eager import OnnxModel
+
+from .models import export, mlp_with_shape_glue
 
 pytest.importorskip("onnxruntime")
 TARGETS = ("cpu", "cuda-sim")
