@@ -17,30 +17,36 @@ class OnnxModel(torch.nn.Module):
 
     def __init__(self, model: Any, input_names: list[str]) -> None:
         super().__init__()
+        self.model = model
         self.input_names = input_names
         self.num_weights = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
+        self._run: Any = None  # built on the first call: onnxruntime may reject models sextant would report
         try:
             import onnxruntime as ort
-        except ImportError:
-            ort = None
-        if ort is not None:
-            opts = ort.SessionOptions()
-            opts.log_severity_level = 3
-            self._session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-            self.runtime = f"onnxruntime {ort.__version__}"
-        else:
-            from sextant.frontend.onnx.importer import import_onnx
-            from sextant.graph.reference import run_graph
 
-            graph = import_onnx(model)
-            self._session = None
-            self._run_graph = lambda xs: run_graph(graph, xs)
+            self.runtime = f"onnxruntime {ort.__version__}"
+        except ImportError:
             self.runtime = "sextant's reference executor (onnxruntime is not installed)"
 
+    def _runner(self) -> Any:
+        if self._run is None:
+            try:
+                import onnxruntime as ort
+            except ImportError:
+                from sextant.frontend.onnx.importer import import_onnx
+                from sextant.graph.reference import run_graph
+
+                graph = import_onnx(self.model)
+                self._run = lambda xs: run_graph(graph, list(xs))
+            else:
+                opts = ort.SessionOptions()
+                opts.log_severity_level = 3
+                session = ort.InferenceSession(self.model.SerializeToString(), opts,
+                                               providers=["CPUExecutionProvider"])
+                self._run = lambda xs: [torch.from_numpy(np.asarray(o)) for o in session.run(
+                    None, {n: to_numpy(x) for n, x in zip(self.input_names, xs)})]
+        return self._run
+
     def forward(self, *xs: torch.Tensor) -> Any:
-        if self._session is None:
-            outs = self._run_graph(list(xs))
-        else:
-            feed = {n: to_numpy(x) for n, x in zip(self.input_names, xs)}
-            outs = [torch.from_numpy(np.asarray(o)) for o in self._session.run(None, feed)]
+        outs = self._runner()(xs)
         return outs[0] if len(outs) == 1 else tuple(outs)

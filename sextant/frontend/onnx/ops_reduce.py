@@ -298,7 +298,7 @@ def _nll(ctx: OnnxContext, logp: Node, target: Node, weight: Node | None) -> Nod
     loss = b.unary("neg", b.reshape(b.gather(lp, 1, idx), target.shape))
     w = None if weight is None else b.take(b.cast(weight, t), 0, safe)
     if valid is not None:
-        w = b.where(valid, 1.0 if w is None else w, 0.0, dtype=t)
+        w = b.cast(valid, t) if w is None else b.where(valid, w, 0.0)
     if w is not None:
         loss = b.mul(loss, w)
     if reduction != "none":
