@@ -5,7 +5,7 @@ Every directory of ``onnx/backend/test/data/node`` (shipped with the ``onnx`` pa
 frontend, run through each target (default: the reference executor and the cpu target) and
 compared with the expected outputs — with onnx's own tolerances (rtol 1e-3, atol 1e-7) for f32,
 looser ones for f16/bf16 (their rounding step), exact for integers and bools. Each test runs in a
-forked child, so a crash or a hang costs one test, not the run.
+forked worker, so a crash or a hang costs one test, not the run.
 
 By default the *float* node tests are tried — those whose outputs are all f32/f16/bf16 tensors;
 ``--all`` tries every test. The run prints a table by op and ends with
@@ -16,6 +16,7 @@ generated part of that chapter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -209,64 +210,116 @@ def _short(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:300]
 
 
-# -- running in forked children ---------------------------------------------------------------------
-def _child(folder: Path, targets: Sequence[str], wfd: int) -> None:
+# -- running in forked workers -----------------------------------------------------------------
+TESTS_PER_WORKER = 100  # a worker is replaced after this many tests (JIT engines and caches accumulate)
+
+
+def _one(folder: Path, targets: Sequence[str]) -> bytes:
     try:
         res = run_case(folder, targets)
-        payload = json.dumps(asdict(res)).encode()
     except BaseException as e:  # anything becomes this test's error
-        failed = CaseResult(folder.name, "?", False, ERROR, {}, f"{type(e).__name__}: {e}")
-        payload = json.dumps(asdict(failed)).encode()
-    with os.fdopen(wfd, "wb") as f:
-        f.write(payload)
+        res = CaseResult(folder.name, "?", False, ERROR, {}, f"{type(e).__name__}: {e}")
+    return json.dumps(asdict(res)).encode() + b"\n"
+
+
+def _worker(targets: Sequence[str], rfd: int, wfd: int) -> None:
+    """Read test folders (one per line), write one JSON result line each, until told to stop."""
+    with os.fdopen(rfd, "rb") as inp, os.fdopen(wfd, "wb", buffering=0) as out:
+        for line in inp:
+            if not line.strip():
+                break
+            out.write(_one(Path(line.decode().rstrip("\n")), targets))
     os._exit(0)
+
+
+@dataclass
+class _Worker:
+    pid: int
+    to_child: int
+    from_child: int
+    folder: Path | None = None
+    started: float = 0.0
+    done: int = 0
+    buf: bytearray = field(default_factory=bytearray)
+
+
+def _spawn(targets: Sequence[str]) -> _Worker:
+    r1, w1 = os.pipe()  # parent → child: folders
+    r2, w2 = os.pipe()  # child → parent: results
+    pid = os.fork()
+    if pid == 0:
+        os.close(w1)
+        os.close(r2)
+        _worker(targets, r1, w2)
+    os.close(r1)
+    os.close(w2)
+    return _Worker(pid, w1, r2)
+
+
+def _retire(w: _Worker, kill: bool = False) -> int:
+    if kill:
+        os.kill(w.pid, signal.SIGKILL)
+    else:
+        with contextlib.suppress(OSError):
+            os.write(w.to_child, b"\n")
+    for fd in (w.to_child, w.from_child):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return os.waitpid(w.pid, 0)[1]
 
 
 def run_all(folders: Sequence[Path], targets: Sequence[str], jobs: int, timeout: float = TIMEOUT_S,
             progress: Any = None) -> list[CaseResult]:
-    """Run every case in a forked child (at most ``jobs`` at once); crashes and hangs are recorded."""
+    """Run every case in ``jobs`` forked workers; a crash or a hang costs its test (recorded) and a new worker."""
     from sextant.codegen.llvm_cpu import _init_llvm
 
-    _init_llvm()  # once, in the parent: every child inherits an initialised LLVM
-    import torch._dynamo  # noqa: F401 - imported lazily by some meta kernels; seconds per child otherwise
+    _init_llvm()  # once, in the parent: every worker inherits an initialised LLVM
+    import torch._dynamo  # noqa: F401 - imported lazily by some meta kernels; seconds per worker otherwise
     pending = list(folders)
-    running: dict[int, tuple[Path, int, float, bytearray]] = {}  # read fd → (folder, pid, start, data)
     results: list[CaseResult] = []
-    while pending or running:
-        while pending and len(running) < jobs:
-            folder = pending.pop(0)
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(r)
-                _child(folder, targets, w)
-            os.close(w)
-            running[r] = (folder, pid, time.monotonic(), bytearray())
-        ready, _, _ = select.select(list(running), [], [], 1.0)
+    workers: list[_Worker] = []
+
+    def record(r: CaseResult) -> None:
+        results.append(r)
+        if progress:
+            progress(r, len(results), len(folders))
+
+    while pending or any(w.folder for w in workers):
+        for w in list(workers):  # hand out work; replace workers that are worn out
+            if w.folder is None and (w.done >= TESTS_PER_WORKER or not pending):
+                _retire(w)
+                workers.remove(w)
+        while pending and len(workers) < jobs:
+            workers.append(_spawn(targets))
+        for w in workers:
+            if w.folder is None and pending:
+                w.folder, w.started = pending.pop(0), time.monotonic()
+                os.write(w.to_child, str(w.folder).encode() + b"\n")
+        busy = {w.from_child: w for w in workers if w.folder}
+        ready, _, _ = select.select(list(busy), [], [], 1.0)
         for fd in ready:
+            w = busy[fd]
             chunk = os.read(fd, 1 << 16)
-            if chunk:
-                running[fd][3].extend(chunk)
-                continue
-            folder, pid, _, data = running.pop(fd)
-            os.close(fd)
-            _, status = os.waitpid(pid, 0)
-            if data:
-                results.append(CaseResult(**json.loads(data)))
-            else:
+            if not chunk:  # the worker died mid-test
+                status = _retire(w, kill=True)
+                workers.remove(w)
                 sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-                results.append(CaseResult(folder.name, "?", False, CRASH, {},
-                                          f"the child died ({signal.Signals(sig).name if sig else status})"))
-            if progress:
-                progress(results[-1], len(results), len(folders))
+                record(CaseResult(w.folder.name, "?", False, CRASH, {},
+                                  f"the worker died ({signal.Signals(sig).name if sig else f'exit {status}'})"))
+                continue
+            w.buf.extend(chunk)
+            if w.buf.endswith(b"\n"):
+                record(CaseResult(**json.loads(w.buf)))
+                w.buf.clear()
+                w.folder, w.done = None, w.done + 1
         now = time.monotonic()
-        for fd, (folder, pid, start, _) in list(running.items()):
-            if now - start > timeout:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os.close(fd)
-                running.pop(fd)
-                results.append(CaseResult(folder.name, "?", False, TIMEOUT, {}, f"over {timeout:.0f} s"))
+        for w in list(workers):
+            if w.folder and now - w.started > timeout:
+                _retire(w, kill=True)
+                workers.remove(w)
+                record(CaseResult(w.folder.name, "?", False, TIMEOUT, {}, f"over {timeout:.0f} s"))
+    for w in workers:
+        _retire(w)
     return sorted(results, key=lambda r: r.name)
 
 

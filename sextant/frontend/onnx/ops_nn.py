@@ -187,6 +187,23 @@ def _conv(ctx: OnnxContext, x: Node, w: Node, bias: Node | None = None) -> Node:
                     int(ctx.attr("group", 1)))
 
 
+
+@onnx_op("CausalConvWithState")
+def _causal_conv(ctx: OnnxContext, x: Node, w: Node, bias: Node | None = None, past: Node | None = None):
+    """Depthwise 1-D conv over [past_state | input]; the last k-1 positions become the new state."""
+    b = ctx.b
+    ch, k = x.shape[1], w.shape[2]
+    padded = b.pad(x, [0, 0, k - 1], [0, 0, 0]) if past is None else b.concat([b.cast(past, x.dtype), x], 2)
+    y = ctx.aten(aten.convolution.default, padded, w, bias, [1], [0], [1], False, [0], ch)
+    act = _str(ctx, "activation", "none")
+    if act in ("silu", "swish"):
+        t = b.cast(y, DType.f32)
+        y = b.cast(b.mul(t, b.unary("sigmoid", t)), y.dtype)
+    elif act != "none":
+        raise Unsupported(f"CausalConvWithState: activation={act!r}")
+    state = b.slice(padded, 2, padded.shape[2] - (k - 1), k - 1)
+    return [y, state]
+
 @onnx_op("ConvTranspose")
 def _conv_transpose(ctx: OnnxContext, x: Node, w: Node, bias: Node | None = None) -> Node:
     """The unpadded transposed convolution, then cropped (or zero-extended) to ONNX's output window."""
@@ -517,10 +534,10 @@ def _resample(ctx: OnnxContext, x: Node, scales: list[float], sizes: list[int], 
     return b.cast(x, out_dtype)
 
 
-def _float_list(ctx: OnnxContext, v: Node | None) -> list[float] | None:
+def _float_list(ctx: OnnxContext, v: Node | None, what: str) -> list[float] | None:
     if v is None:
         return None
-    t = ctx.const(v)
+    t = ctx.const(v, what)
     return [float(f) for f in t.double().reshape(-1).tolist()] if t.numel() else None
 
 
@@ -528,23 +545,22 @@ def _float_list(ctx: OnnxContext, v: Node | None) -> list[float] | None:
 def _resize(ctx: OnnxContext, x: Node, *ins: Node | None) -> Node:
     rank = x.type.rank
     if ctx.opset < 11:
-        roi, scales, sizes = None, _float_list(ctx, ins[0] if ins else None), None
+        roi_in, scales_in, sizes_in = None, ins[0] if ins else None, None
         coord_default, nearest_default = "asymmetric", "floor"
     else:
-        ins = tuple(ins) + (None,) * (3 - len(ins))
-        roi, scales = _float_list(ctx, ins[0]), _float_list(ctx, ins[1])
-        sizes = ctx.ints(ins[2], "sizes") if ins[2] is not None and ctx.const(ins[2]).numel() else None
+        roi_in, scales_in, sizes_in = tuple(ins) + (None,) * (3 - len(ins))
         coord_default, nearest_default = "half_pixel", "round_prefer_floor"
     coord = _str(ctx, "coordinate_transformation_mode", coord_default)
     axes = norm_axes(ctx.attr("axes") or list(range(rank)), rank)
-    if roi is not None and coord == "tf_crop_and_resize":
+    sizes = ctx.ints(sizes_in, "sizes") if sizes_in is not None else None
+    scales = _float_list(ctx, scales_in, "scales") if not sizes else None
+    roi = _float_list(ctx, roi_in, "roi") if coord == "tf_crop_and_resize" else None
+    if roi is not None:  # [starts..., ends...] over ``axes`` → over every dim
         full = [0.0] * rank + [1.0] * rank
         for i, a in enumerate(axes):
             full[a], full[rank + a] = roi[i], roi[len(axes) + i]
         roi = full
-    else:
-        roi = None
-    if sizes is not None:
+    if sizes:
         out = list(x.shape)
         for a, s in zip(axes, sizes):
             out[a] = s
@@ -572,7 +588,7 @@ def _resize(ctx: OnnxContext, x: Node, *ins: Node | None) -> Node:
 
 @onnx_op("Upsample")
 def _upsample(ctx: OnnxContext, x: Node, scales: Node | None = None) -> Node:
-    sc = _float_list(ctx, scales) if scales is not None else [float(s) for s in ctx.attr("scales", [])]
+    sc = _float_list(ctx, scales, "scales") if scales is not None else [float(s) for s in ctx.attr("scales", [])]
     if not sc or len(sc) != x.type.rank:
         raise Unsupported(f"Upsample: scales {sc} for an input of rank {x.type.rank}")
     mode = _str(ctx, "mode", "nearest")
@@ -729,3 +745,148 @@ def _affine_grid(ctx: OnnxContext, theta: Node, size: Node) -> Node:
     base = ctx.tensor(base.to(theta.dtype.torch), "base")
     grid = b.matmul(b.broadcast_to(base, (theta.shape[0],) + base.shape), b.transpose(theta, 1, 2))
     return b.reshape(grid, (theta.shape[0], *dims, len(dims)))
+
+
+def _reflect(b: GraphBuilder, x: Node, lo: float, hi: float) -> Node:
+    """Fold ``x`` back into [lo, hi] by mirror reflection at the borders, as GridSample's reference."""
+    rng = hi - lo
+    if rng <= 0:
+        return b.full(lo, x.shape, x.dtype)
+
+    def fold(dx: Node, near: float, far: float) -> Node:
+        n = b.unary("floor", b.div(dx, rng))
+        r = b.sub(dx, b.mul(n, rng))
+        even = b.binary("eq", b.sub(n, b.mul(b.unary("floor", b.div(n, 2.0)), 2.0)), 0.0)
+        toward = b.add(r, near) if near == lo else b.sub(near, r)
+        back = b.sub(far, r) if far == hi else b.add(r, far)
+        return b.where(even, toward, back)
+
+    below = fold(b.sub(lo, x), lo, hi)
+    above = fold(b.sub(x, hi), hi, lo)
+    return b.where(b.binary("lt", x, lo), below, b.where(b.binary("gt", x, hi), above, x))
+
+
+def _cubic_weights(b: GraphBuilder, t: Node, a: float = -0.75) -> list[Node]:
+    """Keys' cubic weights of the taps at offsets -1, 0, 1, 2 from floor(x), t = x - floor(x)."""
+    def near(u: Node) -> Node:  # |u| <= 1
+        return b.add(b.mul(b.mul(b.sub(b.mul(u, a + 2), a + 3), u), u), 1.0)
+
+    def far(u: Node) -> Node:  # 1 < |u| < 2
+        return b.sub(b.mul(b.add(b.mul(b.sub(b.mul(u, a), 5 * a), u), 8 * a), u), 4 * a)
+
+    one_minus = b.sub(1.0, t)
+    return [far(b.add(t, 1.0)), near(t), near(one_minus), far(b.add(one_minus, 1.0))]
+
+
+def _dim_taps(b: GraphBuilder, c: Node, d: int, mode: str, padding: str, align: bool) -> list[tuple[Node, Node | None]]:
+    """(clamped index, weight or None) of each tap reading pixel coordinate ``c`` along a dim of size d."""
+    lo, hi = (0.0, d - 1.0) if align else (-0.5, d - 0.5)
+    if mode == "nearest":
+        c = b.unary("round", c)
+    if padding == "border":
+        out = b.binary("bitwise_or", b.binary("lt", c, lo), b.binary("gt", c, hi))
+        c = b.where(out, b.minimum(b.maximum(c, 0.0), d - 1.0), c)
+    elif padding == "reflection":
+        c = _reflect(b, c, lo, hi)
+    if mode == "nearest":
+        base, offsets, weights = b.unary("trunc", c), [0], None
+    else:
+        base = b.unary("floor", c)
+        t = b.sub(c, base)
+        offsets = [0, 1] if mode == "linear" else [-1, 0, 1, 2]
+        weights = [b.sub(1.0, t), t] if mode == "linear" else _cubic_weights(b, t)
+    taps = []
+    for k, off in enumerate(offsets):
+        pos = b.add(base, float(off)) if off else base
+        if padding == "reflection":
+            pos = b.unary("trunc", _reflect(b, pos, lo, hi))
+        w = None if weights is None else weights[k]
+        if padding == "zeros":  # taps outside the input read 0
+            valid = b.binary("bitwise_and", b.binary("ge", pos, 0.0), b.binary("le", pos, d - 1.0))
+            w = b.where(valid, 1.0 if w is None else w, b.full(0, valid.shape, c.dtype))
+        taps.append((b.cast(b.minimum(b.maximum(pos, 0.0), d - 1.0), DType.i64), w))
+    return taps
+
+
+def _sample(b: GraphBuilder, x: Node, coords: Sequence[Node], mode: str, padding: str, align: bool) -> Node:
+    """x [N, C, *S] read at pixel coordinates ``coords`` (one [N, P] per spatial dim) → [N, C, P]."""
+    nb, ch, *in_sp = x.shape
+    npts = coords[0].shape[1]
+    src = b.reshape(x, (nb, ch, math.prod(in_sp)))
+    total = None
+    for combo in itertools.product(*(_dim_taps(b, c, d, mode, padding, align) for c, d in zip(coords, in_sp))):
+        flat, w = None, None
+        for i, (idx, wi) in enumerate(combo):
+            stride = math.prod(in_sp[i + 1:])
+            term = b.mul(idx, stride) if stride != 1 else idx
+            flat = term if flat is None else b.add(flat, term)
+            if wi is not None:
+                w = wi if w is None else b.mul(w, wi)
+        v = b.gather(src, 2, b.expand(b.reshape(flat, (nb, 1, npts)), (nb, ch, npts)))
+        if w is not None:
+            v = b.mul(v, b.expand(b.reshape(b.cast(w, x.dtype), (nb, 1, npts)), v.shape))
+        total = v if total is None else b.add(total, v)
+    return total
+
+
+@onnx_op("GridSample")
+def _grid_sample(ctx: OnnxContext, x: Node, grid: Node) -> Node:
+    b = ctx.b
+    mode = _str(ctx, "mode", "linear" if ctx.opset >= 20 else "bilinear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    padding = _str(ctx, "padding_mode", "zeros")
+    align = bool(ctx.attr("align_corners", 0))
+    if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise Unsupported(f"GridSample: mode={mode!r}, padding_mode={padding!r}")
+    nd, nb = x.type.rank - 2, x.shape[0]
+    out_sp = grid.shape[1:-1]
+    g = _float(grid, b)
+    coords = []
+    for i in range(nd):  # the grid's last axis lists coordinates innermost dim first (x, y[, z])
+        d = x.shape[2 + i]
+        c = b.reshape(b.slice(g, -1, nd - 1 - i, 1), (nb, math.prod(out_sp)))
+        coords.append(b.mul(b.add(c, 1.0), (d - 1) / 2) if align else
+                      b.div(b.sub(b.mul(b.add(c, 1.0), float(d)), 1.0), 2.0))
+    return b.reshape(_sample(b, x, coords, mode, padding, align), (nb, x.shape[1], *out_sp))
+
+
+@onnx_op("DeformConv")
+def _deform_conv(ctx: OnnxContext, x: Node, w: Node, offset: Node, bias: Node | None = None,
+                 mask: Node | None = None) -> Node:
+    """Bilinear samples (zero outside) at each tap's offset position, masked, then a grouped matmul."""
+    b = ctx.b
+    nb, ch, *in_sp = x.shape
+    n = len(in_sp)
+    kernel = w.shape[2:]
+    k = math.prod(kernel)
+    strides, dilations = _spatial(ctx, "strides", n), _spatial(ctx, "dilations", n)
+    pads = _spatial(ctx, "pads", 2 * n, 0)
+    group, og = int(ctx.attr("group", 1)), int(ctx.attr("offset_group", 1))
+    out_sp = offset.shape[2:]
+    npts = k * math.prod(out_sp)
+    off = b.reshape(_float(offset, b), (nb, og, k, n, *out_sp))
+    grid_shape = (k, *out_sp)
+    cols = []
+    for o in range(og):
+        coords = []
+        for i in range(n):  # tap position: o*stride - pad + kernel offset*dilation, plus the learned offset
+            kpos = np.array(list(itertools.product(*(range(v) for v in kernel))))[:, i] * dilations[i]
+            base = (kpos.reshape((k,) + (1,) * n) - pads[i] +
+                    np.arange(out_sp[i]).reshape([out_sp[i] if j == i else 1 for j in range(n)]) * strides[i])
+            base_t = ctx.tensor(torch.from_numpy(np.broadcast_to(base, grid_shape).astype(np.float32)), "taps")
+            d = b.reshape(b.slice(b.slice(off, 1, o, 1), 3, i, 1), (nb, *grid_shape))
+            coords.append(b.reshape(b.add(d, b.broadcast_to(b.cast(base_t, d.dtype), d.shape)), (nb, npts)))
+        xs = b.slice(x, 1, o * (ch // og), ch // og)
+        v = _sample(b, xs, coords, "linear", "zeros", True)  # [N, C/og, K*P]
+        if mask is not None:
+            m = b.reshape(b.slice(b.reshape(b.cast(mask, x.dtype), (nb, og, npts)), 1, o, 1), (nb, 1, npts))
+            v = b.mul(v, b.expand(m, v.shape))
+        cols.append(v)
+    p = math.prod(out_sp)
+    cols_n = b.reshape(b.concat(cols, 1), (nb, group, (ch // group) * k, p))
+    oc = w.shape[0]
+    wg = b.reshape(w, (1, group, oc // group, (ch // group) * k))
+    y = b.reshape(b.matmul(wg, cols_n), (nb, oc, *out_sp))
+    if bias is not None:
+        y = b.add(y, b.reshape(b.cast(bias, y.dtype), (1, oc) + (1,) * n))
+    return y

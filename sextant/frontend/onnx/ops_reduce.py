@@ -38,24 +38,24 @@ def _reduce_axes(ctx: OnnxContext, x: Node, axes_in: Node | None) -> list[int]:
     return sorted(axes)
 
 
-def _extreme(dtype: DType, fn: str) -> int | float | bool:
-    """The identity of max/min: what an empty-set reduction yields."""
+def _empty_value(dtype: DType, value: float) -> int | float | bool:
+    """What an empty-set reduction yields: ``value``, with ±inf as the integer extremes (NaN as 0)."""
     if dtype == DType.bool:
-        return fn == "min"
+        return value > 0
     if dtype.is_float:
-        return -math.inf if fn == "max" else math.inf
+        return value
     info = torch.iinfo(dtype.torch)
-    return info.min if fn == "max" else info.max
+    return info.min if value == -math.inf else info.max if value == math.inf else 0 if math.isnan(value) else value
 
 
 Elementwise = Callable[[GraphBuilder, Node], Node]
 _SQUARE: Elementwise = lambda b, v: b.mul(v, v)
-# op → (elementwise before, reduction, elementwise after, empty-set value or None for max/min's)
-_REDUCE: dict[str, tuple[Elementwise | None, str, Elementwise | None, float | None]] = {
+# op → (elementwise before, reduction, elementwise after, empty-set value)
+_REDUCE: dict[str, tuple[Elementwise | None, str, Elementwise | None, float]] = {
     "ReduceSum": (None, "sum", None, 0.0),
     "ReduceMean": (None, "mean", None, math.nan),
-    "ReduceMax": (None, "max", None, None),
-    "ReduceMin": (None, "min", None, None),
+    "ReduceMax": (None, "max", None, -math.inf),
+    "ReduceMin": (None, "min", None, math.inf),
     "ReduceProd": (None, "prod", None, 1.0),
     "ReduceL1": (lambda b, v: b.unary("abs", v), "sum", None, 0.0),
     "ReduceL2": (_SQUARE, "sum", lambda b, v: b.unary("sqrt", v), 0.0),
@@ -75,7 +75,7 @@ def _reduce(ctx: OnnxContext, x: Node, axes_in: Node | None = None) -> Node:
     shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
     out_shape = shape if keep else tuple(d for i, d in enumerate(x.shape) if i not in axes)
     if x.type.numel == 0:  # an empty set of values reduces to the reduction's identity
-        return b.full(_extreme(x.dtype, fn) if empty is None else empty, out_shape, x.dtype)
+        return b.full(_empty_value(x.dtype, empty), out_shape, x.dtype)
     if x.dtype == DType.bool and fn not in ("max", "min"):
         raise Unsupported(f"{ctx.op_type} of a bool tensor")
     work = x.dtype if fn in ("max", "min") else opmath(x.dtype)
@@ -123,7 +123,11 @@ def _along_axis(ctx: OnnxContext, x: Node, fn: Callable[[Node, int], Node]) -> N
     """Apply ``fn(x, dim)``; before opset 13 the input is first coerced to 2-D at ``axis`` (default 1)."""
     if ctx.opset >= 13:
         return fn(x, axis(ctx, x, default=-1))
-    a = axis(ctx, x, default=1)
+    rank = x.type.rank
+    a = int(ctx.attr("axis", 1))
+    a += rank if a < 0 else 0
+    if not 0 <= a <= rank:
+        raise Unsupported(f"{ctx.op_type}: axis={ctx.attr('axis', 1)} out of range for rank {rank}")
     two_d = (math.prod(x.shape[:a]), math.prod(x.shape[a:]))
     return ctx.b.reshape(fn(ctx.b.reshape(x, two_d), 1), x.shape)
 
