@@ -68,8 +68,8 @@ class OnnxCompiledModule:
         tensors = []
         for name, node, a in zip(self.input_names, self.compiled.graph.inputs, args):
             if isinstance(a, (np.ndarray, np.generic)):
-                a = np.ascontiguousarray(a)
-                t = torch.from_numpy(a if a.flags.writeable else a.copy())
+                a = np.asarray(a)  # (not ascontiguousarray: it turns 0-d arrays into 1-d)
+                t = torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else a.copy())
                 if node.dtype.torch == torch.bfloat16 and t.dtype == torch.float32:
                     t = t.to(torch.bfloat16)  # numpy has no bfloat16: bf16 inputs are given as float32
                 if self.device != "cpu":

@@ -189,6 +189,8 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []
     for gi, g in enumerate(groups):
+        if all(o.type.numel == 0 for o in g.outputs):
+            continue  # nothing to compute: an empty output needs a buffer (allocated below), not a kernel
         k = mappings[g.kind](g, stored, target, "kernel")
         work.add("kernels: generated")
         work.add("kernels: statements", _statements(k.body))

@@ -160,13 +160,10 @@ def _cast_like(ctx: OnnxContext, x: Node, like: Node) -> Node:
 def _dropout(ctx: OnnxContext, x: Node, ratio: Node | None = None, training: Node | None = None) -> list[Node]:
     """Inference is the identity (the mask all true). Training mode (opset 12+) is random unless the
     ratio is 0, so only that case is accepted."""
-    if training is not None:
-        if not ctx.is_const(training):
-            raise Unsupported("Dropout: training_mode is a graph input; sextant compiles inference, so it "
-                              "must be a constant (false, or true with ratio 0)")
-        if not bool(ctx.const(training).reshape(-1)[0]):
-            training = None
-    if training is not None:
+    if training is not None and not ctx.is_const(training):
+        raise Unsupported("Dropout: training_mode is a graph input; sextant compiles inference, so it "
+                          "must be a constant (false, or true with ratio 0)")
+    if training is not None and bool(ctx.const(training).reshape(-1)[0]):
         r = 0.5 if ratio is None else float(ctx.const(ratio, "ratio").reshape(-1)[0])
         if r != 0:
             raise Unsupported(f"Dropout: training_mode=true with ratio {r} draws random numbers; sextant "

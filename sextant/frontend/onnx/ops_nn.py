@@ -1,4 +1,4 @@
-"""ONNX compute ops: MatMul, Gemm, Einsum, Conv, ConvTranspose, pooling, Resize, attention.
+"""ONNX compute ops: MatMul, Gemm, Einsum, convolutions, pooling, resampling, attention, sampling grids.
 
 Convolutions reuse the ATen ``convolution`` lowering; ONNX's extra freedom (asymmetric pads,
 ``auto_pad``) becomes an explicit ``pad`` (or a crop of the transposed result) around it.
@@ -49,14 +49,13 @@ def _gemm(ctx: OnnxContext, a: Node, b: Node, c: Node | None = None) -> Node:
     if ctx.attr("transB", 0):
         b = g.transpose(b, 0, 1)
     alpha, beta = float(ctx.attr("alpha", 1.0)), float(ctx.attr("beta", 1.0))
-    y = g.matmul(a, b)
-    if alpha != 1.0:
-        y = g.mul(y, alpha) if y.dtype.is_float else g.cast(g.mul(g.cast(y, DType.f32), alpha), y.dtype)
+
+    def scaled(x: Node, s: float) -> Node:  # integer Gemm scales in f32 and truncates back
+        return x if s == 1.0 else g.cast(g.mul(_float(x, g), s), x.dtype)
+
+    y = scaled(g.matmul(a, b), alpha)
     if c is not None and beta != 0.0:
-        c = g.cast(c, y.dtype)
-        if beta != 1.0:
-            c = g.mul(c, beta) if c.dtype.is_float else g.cast(g.mul(g.cast(c, DType.f32), beta), y.dtype)
-        y = g.add(y, g.broadcast_to(c, y.shape))
+        y = g.add(y, g.broadcast_to(scaled(g.cast(c, y.dtype), beta), y.shape))
     return y
 
 

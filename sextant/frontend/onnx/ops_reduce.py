@@ -18,7 +18,7 @@ from sextant.frontend.lowerings import Unsupported
 from sextant.frontend.lowerings.registry import opmath
 from sextant.frontend.onnx.dtypes import from_onnx
 from sextant.frontend.onnx.registry import OnnxContext, axis, norm_axes, onnx_op
-from sextant.graph.builder import GraphBuilder
+from sextant.graph.builder import GraphBuilder, broadcast_shapes
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 
@@ -181,10 +181,17 @@ def _layer_norm(ctx: OnnxContext, x: Node, scale: Node, bias: Node | None = None
     norm_shape = x.shape[a:]
     _stash(ctx, x)
     stash = from_onnx(int(ctx.attr("stash_type", 1)))  # the declared type of Mean and InvStdDev
-    w = b.broadcast_to(scale, norm_shape)
-    bb = None if bias is None else b.broadcast_to(bias, norm_shape)
-    y, mean, rstd = ctx.aten(aten.native_layer_norm.default, x, list(norm_shape), w, bb,
-                             float(ctx.attr("epsilon", 1e-5)))
+    eps = float(ctx.attr("epsilon", 1e-5))
+    k = len(norm_shape)
+    affine = [v for v in (scale, bias) if v is not None]
+    if all(v.type.rank <= k and broadcast_shapes(v.shape, norm_shape) == norm_shape for v in affine):
+        w, bb = (None if v is None else b.broadcast_to(v, norm_shape) for v in (scale, bias))
+        y, mean, rstd = ctx.aten(aten.native_layer_norm.default, x, list(norm_shape), w, bb, eps)
+    else:  # Scale/B broadcast over more than the normalised dims: apply them after, in f32 for halves
+        y, mean, rstd = ctx.aten(aten.native_layer_norm.default, b.cast(x, opmath(x.dtype)), list(norm_shape),
+                                 None, None, eps)
+        y = b.mul(y, scale) if bias is None else b.add(b.mul(y, scale), bias)
+        y = b.cast(y, x.dtype)
     return [y, b.cast(mean, stash), b.cast(rstd, stash)]
 
 

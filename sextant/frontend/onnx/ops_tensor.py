@@ -18,7 +18,7 @@ from torch.ops import aten
 from sextant.frontend.lowerings import Unsupported
 from sextant.frontend.onnx.dtypes import from_onnx, tensor_from_proto, unsupported_dtype
 from sextant.frontend.onnx.registry import OnnxContext, axis, norm_axes, onnx_op
-from sextant.graph.builder import GraphBuilder
+from sextant.graph.builder import GraphBuilder, broadcast_shapes
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 
@@ -327,8 +327,6 @@ def _pad(ctx: OnnxContext, x: Node, pads: Node | None = None, value: Node | None
 
 @onnx_op("Expand")
 def _expand(ctx: OnnxContext, x: Node, shape: Node) -> Node:
-    from sextant.graph.builder import broadcast_shapes
-
     return ctx.b.broadcast_to(x, broadcast_shapes(x.shape, ctx.ints(shape, "shape")))
 
 
