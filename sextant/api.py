@@ -173,6 +173,7 @@ def compile_onnx(  # the ONNX frontend's entry point; everything after the impor
     model: Any,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     *,
+    constant_inputs: Mapping[str, Any] | None = None,
     target: str = "cpu",
     arch: str | None = None,
     pipeline: str | Sequence[str] = "default",
@@ -183,7 +184,9 @@ def compile_onnx(  # the ONNX frontend's entry point; everything after the impor
     """Compile an ONNX model (a ``.onnx`` path, its bytes, or an ``onnx.ModelProto``) for ``target``.
 
     ``input_shapes`` maps input names to static shapes for inputs whose declared shape has
-    symbolic dimensions (``{"input_ids": [1, 128]}``). The result takes numpy arrays or torch
+    symbolic dimensions (``{"input_ids": [1, 128]}``); ``constant_inputs`` specialises the model
+    on the values of inputs that decide shapes (``{"axes": [1]}``; calls must then pass those
+    values). The result takes numpy arrays or torch
     tensors — positionally in the model's input order, by input name, or as one ``{name: array}``
     dict — and returns the outputs in the same kind (``.run(feed)`` mirrors onnxruntime's
     ``InferenceSession.run(None, feed)``).
@@ -199,7 +202,7 @@ def compile_onnx(  # the ONNX frontend's entry point; everything after the impor
     step = progress or (lambda _: contextlib.nullcontext())
     with gc_paused():
         with step("onnx-import"):
-            graph = import_onnx(model, input_shapes)
+            graph = import_onnx(model, input_shapes, constant_inputs=constant_inputs)
         compiled = compile_graph(graph, target=target, arch=arch, pipeline=pipeline,
                                  print_after_all=print_after_all, stream=stream, progress=step)
     return OnnxCompiledModule(compiled)

@@ -28,6 +28,7 @@ class UnsupportedOpError(SextantError):
                              "(see docs/frontend.md, 'Adding an op').") -> None:
         self.items = items
         self.frontend = frontend
+        self.needs_values: list[str] = []  # ONNX: inputs whose values would make the model compile
         ops = sorted({i.op for i in items})
         lines = [f"sextant cannot compile this model: {len(ops)} unsupported {frontend} op(s): {', '.join(ops)}"]
         for it in items:

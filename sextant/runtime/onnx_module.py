@@ -23,7 +23,8 @@ class OnnxCompiledModule:
 
     def __init__(self, compiled: CompiledModule) -> None:
         self.compiled = compiled
-        self.input_names = [n.attr("name") for n in compiled.graph.inputs]
+        self.leaves = compiled.graph.leaves  # every ONNX input, in order; specialised ones carry their value
+        self.input_names = [leaf.name for leaf in self.leaves]
 
     # the CompiledModule's inspection surface, unchanged
     @property
@@ -66,9 +67,19 @@ class OnnxCompiledModule:
             raise InputError(f"the model takes {len(self.input_names)} input(s) {self.input_names}, got {len(args)}")
         as_numpy = any(isinstance(a, np.ndarray) for a in args)
         tensors = []
-        for name, node, a in zip(self.input_names, self.compiled.graph.inputs, args):
+        for leaf, a in zip(self.leaves, args):
+            name = leaf.name
+            if leaf.input_index is None:  # compiled for this value (constant_inputs): it must be repeated
+                given = torch.as_tensor(np.asarray(a)) if not isinstance(a, torch.Tensor) else a.cpu()
+                if given.shape != leaf.value.shape or not bool((given.to(leaf.value.dtype) == leaf.value).all()):
+                    raise InputError(f"input {name!r} was specialised to {leaf.value.tolist()} when the model was "
+                                     f"compiled (constant_inputs), got {given.tolist()}")
+                continue
+            node = self.compiled.graph.inputs[leaf.input_index]
             if isinstance(a, (np.ndarray, np.generic)):
                 a = np.asarray(a)  # (not ascontiguousarray: it turns 0-d arrays into 1-d)
+                if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 (what onnx's numpy_helper returns)
+                    a = a.astype(np.float32)
                 t = torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else a.copy())
                 if node.dtype.torch == torch.bfloat16 and t.dtype == torch.float32:
                     t = t.to(torch.bfloat16)  # numpy has no bfloat16: bf16 inputs are given as float32

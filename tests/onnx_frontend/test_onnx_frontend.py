@@ -109,3 +109,18 @@ def test_bad_output_declaration_is_caught() -> None:
     model = make([helper.make_node("Relu", ["x"], ["y"])], [value("x", [4])], [value("y", [5])])
     with pytest.raises(OnnxImportError, match=r"declares shape \[5\].*produced \[4\]"):
         import_onnx(model)
+
+
+def test_constant_inputs_specialise_shape_deciding_values() -> None:
+    nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0, name="sum")]
+    model = make(nodes, [value("x", [3, 4]), value("axes", [1], TensorProto.INT64)], [value("y", [3])])
+    with pytest.raises(sextant.UnsupportedOpError, match=r"depends on graph input.*'axes'") as info:
+        import_onnx(model)
+    assert info.value.needs_values == ["axes"]
+    c = sextant.compile_onnx(model, constant_inputs={"axes": np.array([1])}, target="cpu")
+    x = np.random.rand(3, 4).astype(np.float32)
+    np.testing.assert_allclose(c(x, np.array([1])), x.sum(1), rtol=1e-6)
+    np.testing.assert_allclose(c({"x": x, "axes": np.array([1])}),
+                               x.sum(1), rtol=1e-6)
+    with pytest.raises(sextant.InputError, match=r"'axes' was specialised to \[1\].*got \[0\]"):
+        c(x, np.array([0]))

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from sextant.errors import SextantError, UnsupportedOp, UnsupportedOpError
@@ -106,17 +107,23 @@ def _graph_name(model: Any, name: str | None) -> str:
 
 
 def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | None = None, *,
-                name: str | None = None) -> Graph:
-    """Translate an ONNX model into a verified sextant graph (inputs in the model's input order)."""
+                constant_inputs: Mapping[str, Any] | None = None, name: str | None = None) -> Graph:
+    """Translate an ONNX model into a verified sextant graph (inputs in the model's input order).
+
+    ``constant_inputs`` specialises the model on the values of some inputs (an ``axes``, a
+    Resize's ``scales``: values that decide shapes, which a static-shape compiler must know): they
+    become constants, recorded in ``graph.leaves`` so that calls must pass the same values.
+    When such a value is needed but not given, the error's ``needs_values`` names the inputs."""
     model = load(model)
     opset = opset_version(model)
     g = model.graph
     given = dict(input_shapes or {})
     init_names = {t.name for t in g.initializer}
     graph_inputs = [vi for vi in g.input if vi.name not in init_names]
-    unknown = set(given) - {vi.name for vi in graph_inputs}
+    fixed = {k: torch.as_tensor(np.asarray(v)) for k, v in (constant_inputs or {}).items()}
+    unknown = (set(given) | set(fixed)) - {vi.name for vi in graph_inputs}
     if unknown:
-        raise OnnxImportError(f"input_shapes names {sorted(unknown)}, which are not inputs of the model "
+        raise OnnxImportError(f"input_shapes/constant_inputs name {sorted(unknown)}, which are not inputs of the model "
                               f"(inputs: {[vi.name for vi in graph_inputs]})")
     b = GraphBuilder(_graph_name(model, name))
     problems: list[UnsupportedOp] = []
@@ -140,10 +147,16 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
         if dtype is None:
             problem("<input>", f"input {vi.name!r}", unsupported_dtype(vi.type.tensor_type.elem_type))
             continue
+        if vi.name in fixed:
+            value = fixed[vi.name].to(dtype.torch)
+            env[vi.name] = b.param(vi.name, value)
+            leaves.append(InputLeaf(vi.name, None, value))
+            continue
         env[vi.name] = b.input(vi.name, _input_shape(vi, given), dtype)
         leaves.append(InputLeaf(vi.name, len(b.inputs) - 1))
 
     consts: dict[int, torch.Tensor] = {}
+    needs: set[str] = set()
     for i, node in enumerate(g.node):
         label = f"node {node.name!r}" if node.name else f"node #{i} (unnamed)"
         op_name = f"{node.domain or 'ai.onnx'}::{node.op_type}"
@@ -164,6 +177,7 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
             result = ONNX_OPS[node.op_type](ctx, *(env[x] for x in node.input))
         except Unsupported as e:
             problem(op_name, label, str(e))
+            needs.update(getattr(e, "inputs", ()))
             continue
         except (IRTypeError, ValueError) as e:
             problem(op_name, label, f"{type(e).__name__}: {e}")
@@ -187,7 +201,9 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
         _check_output(vi, node, problem)
         outputs.append(node)
     if problems:
-        raise UnsupportedOpError(problems, frontend="ONNX", hint=HINT)
+        err = UnsupportedOpError(problems, frontend="ONNX", hint=HINT)
+        err.needs_values = sorted(needs)
+        raise err
     graph = b.build(outputs, None, None, leaves)
     verify(graph, where="onnx import")
     return graph

@@ -24,6 +24,15 @@ from sextant.graph.ir import Node, topo_sort
 from sextant.graph.reference import eval_node
 
 Translation = Callable[..., Any]
+
+
+class NeedsValue(Unsupported):
+    """A shape-determining value depends on graph inputs: the model compiles once they are specialised."""
+
+    def __init__(self, message: str, inputs: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.inputs = inputs
+
 ONNX_OPS: dict[str, Translation] = {}
 
 
@@ -66,8 +75,10 @@ class OnnxContext:
             raise Unsupported(f"{self.op_type}: {what} is missing")
         value = constant_value(x, self.b.params, self._consts)
         if value is None:
-            raise Unsupported(f"{self.op_type}: {what} must be known at compile time (sextant needs static "
-                              "shapes), but it depends on a graph input")
+            names = tuple(sorted(n.attr("name") for n in topo_sort([x]) if n.op == "input"))
+            raise NeedsValue(f"{self.op_type}: {what} must be known at compile time (sextant compiles static "
+                             f"shapes), but it depends on graph input(s) {', '.join(map(repr, names))}: pass "
+                             "constant_inputs={name: value} to specialise the model on their values", names)
         return value
 
     def ints(self, x: Node | None, what: str = "input") -> list[int]:
