@@ -3,7 +3,16 @@
 Importing this package fills ``ONNX_OPS`` with one module per op family.
 """
 
-from sextant.frontend.onnx import ops_elementwise, ops_nn, ops_reduce, ops_tensor  # noqa: F401
+from sextant.frontend.onnx import (  # noqa: F401
+    ops_attention,
+    ops_control,
+    ops_elementwise,
+    ops_nn,
+    ops_reduce,
+    ops_resample,
+    ops_rnn,
+    ops_tensor,
+)
 from sextant.frontend.onnx.importer import OnnxImportError, import_onnx, load, opset_version
 from sextant.frontend.onnx.registry import ONNX_OPS, OnnxContext, onnx_op
 

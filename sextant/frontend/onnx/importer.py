@@ -102,6 +102,13 @@ def _input_shape(vi: Any, given: Mapping[str, Sequence[int]]) -> tuple[int, ...]
     return tuple(dims)
 
 
+def _as_tensor(v: Any) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.cpu()
+    a = np.asarray(v)
+    return torch.from_numpy(a.astype(np.float32) if a.dtype.name == "bfloat16" else a.copy())
+
+
 def _graph_name(model: Any, name: str | None) -> str:
     return re.sub(r"\W", "_", name or model.graph.name or "onnx") or "onnx"
 
@@ -120,7 +127,7 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
     given = dict(input_shapes or {})
     init_names = {t.name for t in g.initializer}
     graph_inputs = [vi for vi in g.input if vi.name not in init_names]
-    fixed = {k: torch.as_tensor(np.asarray(v)) for k, v in (constant_inputs or {}).items()}
+    fixed = {k: _as_tensor(v) for k, v in (constant_inputs or {}).items()}
     unknown = (set(given) | set(fixed)) - {vi.name for vi in graph_inputs}
     if unknown:
         raise OnnxImportError(f"input_shapes/constant_inputs name {sorted(unknown)}, which are not inputs of the model "

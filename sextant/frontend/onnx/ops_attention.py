@@ -1,0 +1,3 @@
+"""ONNX attention ops."""
+
+from __future__ import annotations

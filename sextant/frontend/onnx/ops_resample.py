@@ -1,0 +1,3 @@
+"""ONNX resampling ops."""
+
+from __future__ import annotations
