@@ -237,7 +237,7 @@ def test_missing_ptxas_is_an_environment_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_internal_error_exits_5(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(spec: str) -> None:
+    def broken(spec: str, input_shapes: object = None) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr("sextant.cli.models.load_model", broken)
