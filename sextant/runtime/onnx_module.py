@@ -70,7 +70,11 @@ class OnnxCompiledModule:
         for leaf, a in zip(self.leaves, args):
             name = leaf.name
             if leaf.input_index is None:  # compiled for this value (constant_inputs): it must be repeated
-                given = torch.as_tensor(np.asarray(a)) if not isinstance(a, torch.Tensor) else a.cpu()
+                if isinstance(a, torch.Tensor):
+                    given = a.cpu()
+                else:
+                    a = np.asarray(a)
+                    given = torch.from_numpy(a.astype(np.float32) if a.dtype.name == "bfloat16" else a.copy())
                 if given.shape != leaf.value.shape or not bool((given.to(leaf.value.dtype) == leaf.value).all()):
                     raise InputError(f"input {name!r} was specialised to {leaf.value.tolist()} when the model was "
                                      f"compiled (constant_inputs), got {given.tolist()}")

@@ -108,6 +108,57 @@ def snippet_unsupported_error() -> str:
     raise AssertionError("expected UnsupportedOpError")
 
 
+def _onnx_glue_model():
+    """MatMul + bias + Relu, Reshape to the shape Shape → Gather → Concat computes, Softmax: the glue
+    ONNX exporters emit, which the import folds at compile time."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="fc"),
+             helper.make_node("Add", ["m", "b"], ["a"], name="fc_bias"),
+             helper.make_node("Relu", ["a"], ["r"], name="relu"),
+             helper.make_node("Shape", ["r"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0, name="batch"),
+             helper.make_node("Concat", ["n", "split"], ["newshape"], axis=0, name="newshape"),
+             helper.make_node("Reshape", ["r", "newshape"], ["r3"], name="heads"),
+             helper.make_node("Softmax", ["r3"], ["y"], axis=-1, name="softmax")]
+    inits = {"w": rng.standard_normal((16, 32)).astype(np.float32), "b": np.zeros(32, np.float32),
+             "zero": np.array([0], np.int64), "split": np.array([4, 8], np.int64)}
+    graph = helper.make_graph(nodes, "glue", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4, 8])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def snippet_onnx_imported() -> str:
+    from sextant.frontend.onnx import import_onnx
+
+    return str(import_onnx(_onnx_glue_model()))
+
+
+def snippet_onnx_optimised() -> str:
+    return str(sextant.compile_onnx(_onnx_glue_model(), target="reference").graph)
+
+
+def snippet_onnx_unsupported_error() -> str:
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="ok"),
+             helper.make_node("NoSuchOp", ["a"], ["b"], name="first_bad"),
+             helper.make_node("Fancy", ["x"], ["c"], domain="com.example", name="custom"),
+             helper.make_node("Reshape", ["x", "shape"], ["r"], name="dynamic_reshape"),
+             helper.make_node("Add", ["c", "c"], ["y"], name="downstream")]
+    vi = lambda n, s, t=TensorProto.FLOAT: helper.make_tensor_value_info(n, t, s)
+    graph = helper.make_graph(nodes, "bad", [vi("x", [4]), vi("shape", [1], TensorProto.INT64)], [vi("y", [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)])
+    try:
+        sextant.compile_onnx(model)
+    except sextant.UnsupportedOpError as e:
+        return str(e)
+    raise AssertionError("expected UnsupportedOpError")
+
+
 def _tiny_program():
     from sextant.schedule.program import schedule
 
@@ -249,6 +300,9 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "gpt2-passes": snippet_gpt2_passes,
     "gpt2-ops": snippet_gpt2_ops,
     "unsupported-error": snippet_unsupported_error,
+    "onnx-imported": snippet_onnx_imported,
+    "onnx-optimised": snippet_onnx_optimised,
+    "onnx-unsupported-error": snippet_onnx_unsupported_error,
 }
 
 

@@ -43,9 +43,6 @@ PASS, MISMATCH, UNSUPPORTED, ERROR, CRASH, TIMEOUT = "pass", "mismatch", "unsupp
 
 # Why whole op families are out of scope (the generated chapter lists these next to the counts).
 WHY = {
-    "If": "control flow: the graph IR has no regions (If/Loop/Scan bodies)",
-    "Loop": "control flow: the graph IR has no regions (If/Loop/Scan bodies)",
-    "Scan": "control flow: the graph IR has no regions (If/Loop/Scan bodies)",
     "SequenceConstruct": "sequence values: the graph IR has tensors only",
     "OptionalGetElement": "optional/sequence values: the graph IR has tensors only",
     "Bernoulli": "random numbers: outputs cannot be compared to a fixed expectation",

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections import ChainMap
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from sextant.errors import SextantError, UnsupportedOp, UnsupportedOpError
 from sextant.frontend.lowerings import Unsupported
 from sextant.frontend.onnx.dtypes import from_onnx, onnx_type_name, tensor_from_proto, unsupported_dtype
-from sextant.frontend.onnx.registry import ONNX_OPS, OnnxContext
+from sextant.frontend.onnx.registry import ONNX_OPS, NeedsValue, OnnxContext
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.ir import Graph, InputLeaf, Node
 from sextant.graph.ops import IRTypeError
@@ -137,7 +138,7 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
     env: dict[str, Node | None] = {"": None}
 
     def problem(op: str, where: str, reason: str) -> None:
-        problems.append(UnsupportedOp(f"{op} (opset {opset})" if "::" in op else op, where, "", "", reason))
+        _report(problems, opset, op, where, reason)
 
     for t in g.initializer:
         dtype = from_onnx(t.data_type)
@@ -164,39 +165,7 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
 
     consts: dict[int, torch.Tensor] = {}
     needs: set[str] = set()
-    for i, node in enumerate(g.node):
-        label = f"node {node.name!r}" if node.name else f"node #{i} (unnamed)"
-        op_name = f"{node.domain or 'ai.onnx'}::{node.op_type}"
-        missing = [x for x in node.input if x not in env]
-        if missing:  # an input failed earlier (already reported) or is produced nowhere
-            if not problems:
-                raise OnnxImportError(f"{node.op_type} {label} reads {missing[0]!r}, which no earlier node, input or "
-                                      "initializer defines (is the graph topologically sorted?)")
-            continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_OPS:
-            reason = f"custom domain {node.domain!r}" if node.domain not in ("", "ai.onnx") else \
-                "no translation for this op"
-            problem(op_name, label, reason)
-            continue
-        b.loc = node.name or f"{node.op_type}#{i}"
-        try:
-            ctx = OnnxContext(b, node, opset, _attrs(node), consts)
-            result = ONNX_OPS[node.op_type](ctx, *(env[x] for x in node.input))
-        except Unsupported as e:
-            problem(op_name, label, str(e))
-            needs.update(getattr(e, "inputs", ()))
-            continue
-        except (IRTypeError, ValueError) as e:
-            problem(op_name, label, f"{type(e).__name__}: {e}")
-            continue
-        results = list(result) if isinstance(result, (list, tuple)) else [result]
-        for k, out in enumerate(node.output):
-            if not out:
-                continue
-            if k >= len(results) or results[k] is None:
-                problem(op_name, label, f"output {k} ({out!r}) is not produced by sextant's translation")
-                break
-            env[out] = results[k]
+    translate_nodes(b, g.node, env, opset, consts, problems, needs)
     b.loc = None
     outputs = []
     for vi in g.output:
@@ -234,3 +203,88 @@ def _check_output(vi: Any, node: Node, problem: Any) -> None:
         if shape != node.shape:
             raise OnnxImportError(f"output {vi.name!r}: the model declares shape {list(shape)}, sextant's "
                                   f"translation produced {list(node.shape)} (a translation bug)")
+
+
+def _report(problems: list[UnsupportedOp], opset: int, op: str, where: str, reason: str) -> None:
+    problems.append(UnsupportedOp(f"{op} (opset {opset})" if "::" in op else op, where, "", "", reason))
+
+
+def translate_nodes(b: GraphBuilder, nodes: Sequence[Any], env: MutableMapping[str, Node | None], opset: int,
+                    consts: dict[int, torch.Tensor], problems: list[UnsupportedOp], needs: set[str],
+                    prefix: str = "") -> None:
+    """Translate ``nodes`` in order, binding their outputs in ``env``; failures go to ``problems``
+    (and the inputs whose values would help to ``needs``) so that one import reports them all."""
+    for i, node in enumerate(nodes):
+        label = f"node {node.name!r}" if node.name else f"node #{i} (unnamed)"
+        op_name = f"{node.domain or 'ai.onnx'}::{node.op_type}"
+        missing = [x for x in node.input if x not in env]
+        if missing:  # an input failed earlier (already reported) or is produced nowhere
+            if not problems:
+                raise OnnxImportError(f"{node.op_type} {label} reads {missing[0]!r}, which no earlier node, input or "
+                                      "initializer defines (is the graph topologically sorted?)")
+            continue
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_OPS:
+            reason = f"custom domain {node.domain!r}" if node.domain not in ("", "ai.onnx") else \
+                "no translation for this op"
+            _report(problems, opset, op_name, label, reason)
+            continue
+        b.loc = prefix + (node.name or f"{node.op_type}#{i}")
+
+        def subgraph(graph: Any, inputs: Sequence[Node | None], scope: Mapping[str, Node | None] = env,
+                     loc: str = b.loc) -> list[Node]:
+            return translate_subgraph(b, graph, inputs, scope, opset, consts, loc + "/")
+
+        try:
+            ctx = OnnxContext(b, node, opset, _attrs(node), consts, subgraph)
+            result = ONNX_OPS[node.op_type](ctx, *(env[x] for x in node.input))
+        except Unsupported as e:
+            _report(problems, opset, op_name, label, str(e))
+            needs.update(getattr(e, "inputs", ()))
+            continue
+        except (IRTypeError, ValueError) as e:
+            _report(problems, opset, op_name, label, f"{type(e).__name__}: {e}")
+            continue
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        for k, out in enumerate(node.output):
+            if not out:
+                continue
+            if k >= len(results) or results[k] is None:
+                _report(problems, opset, op_name, label,
+                        f"output {k} ({out!r}) is not produced by sextant's translation")
+                break
+            env[out] = results[k]
+    b.loc = None
+
+
+def translate_subgraph(b: GraphBuilder, graph: Any, inputs: Sequence[Node | None], outer: Mapping[str, Node | None],
+                       opset: int, consts: dict[int, torch.Tensor], prefix: str = "") -> list[Node]:
+    """Inline a GRAPH attribute (If branch, Loop/Scan body) into ``b``: its formal inputs bound to
+    ``inputs``, names of the enclosing scope visible (ONNX lets bodies capture them); its outputs.
+    Failures inside become one :class:`Unsupported` of the enclosing node (a NeedsValue when
+    specialising graph inputs would help), since the graph IR cannot keep the body as a region."""
+    if len(inputs) != len(graph.input):
+        raise Unsupported(f"body {graph.name!r} takes {len(graph.input)} inputs, got {len(inputs)}")
+    local: dict[str, Node | None] = dict(zip((vi.name for vi in graph.input), inputs))
+    for t in graph.initializer:
+        if from_onnx(t.data_type) is None:
+            raise Unsupported(f"body {graph.name!r}: initializer {t.name!r}: {unsupported_dtype(t.data_type)}")
+        key, k = f"{prefix}{t.name}", 0
+        while key in b.params:
+            k += 1
+            key = f"{prefix}{t.name}.{k}"
+        local[t.name] = b.param(key, tensor_from_proto(t))
+    env: ChainMap[str, Node | None] = ChainMap(local, outer)  # type: ignore[arg-type]
+    problems: list[UnsupportedOp] = []
+    needs: set[str] = set()
+    loc = b.loc
+    try:
+        translate_nodes(b, graph.node, env, opset, consts, problems, needs, prefix)
+    finally:
+        b.loc = loc
+    missing = [vi.name for vi in graph.output if env.get(vi.name) is None]
+    if problems or missing:
+        why = "; ".join(f"{p.source} ({p.op.split(' (')[0]}): {p.reason}" for p in problems) or \
+            f"outputs {missing} are produced by no node"
+        message = f"in body {graph.name!r}: {why}"
+        raise NeedsValue(message, tuple(sorted(needs))) if needs else Unsupported(message)
+    return [env[vi.name] for vi in graph.output]  # type: ignore[misc]

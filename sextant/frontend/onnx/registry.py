@@ -56,6 +56,7 @@ class OnnxContext:
     opset: int  # the model's ai.onnx opset version
     attrs: dict[str, Any] = field(default_factory=dict)
     _consts: dict[int, torch.Tensor] = field(default_factory=dict)  # shared memo: node id → value
+    _subgraph: Callable[[Any, Sequence[Node | None]], list[Node]] | None = None  # set by the importer
 
     @property
     def op_type(self) -> str:
@@ -68,16 +69,23 @@ class OnnxContext:
     def attr(self, name: str, default: Any = None) -> Any:
         return self.attrs.get(name, default)
 
+    def subgraph(self, graph: Any, inputs: Sequence[Node | None]) -> list[Node]:
+        """Inline a GRAPH attribute (a branch, a loop body) with its formal inputs bound to ``inputs``
+        and the enclosing scope visible; its output nodes. Each call emits a fresh copy (unrolling)."""
+        if self._subgraph is None:
+            raise Unsupported(f"{self.op_type}: subgraphs need the ONNX importer")
+        return self._subgraph(graph, inputs)
+
     # -- compile-time values ----------------------------------------------------------------
-    def const(self, x: Node | None, what: str = "input") -> torch.Tensor:
+    def const(self, x: Node | None, what: str = "input", why: str = "sextant compiles static shapes") -> torch.Tensor:
         """The value of ``x`` when it does not depend on a graph input, else :class:`Unsupported`."""
         if x is None:
             raise Unsupported(f"{self.op_type}: {what} is missing")
         value = constant_value(x, self.b.params, self._consts)
         if value is None:
             names = tuple(sorted(n.attr("name") for n in topo_sort([x]) if n.op == "input"))
-            raise NeedsValue(f"{self.op_type}: {what} must be known at compile time (sextant compiles static "
-                             f"shapes), but it depends on graph input(s) {', '.join(map(repr, names))}: pass "
+            raise NeedsValue(f"{self.op_type}: {what} must be known at compile time ({why}), but it depends on "
+                             f"graph input(s) {', '.join(map(repr, names))}: pass "
                              "constant_inputs={name: value} to specialise the model on their values", names)
         return value
 
