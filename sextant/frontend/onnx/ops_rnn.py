@@ -4,7 +4,8 @@ Each direction becomes a chain of per-step graph nodes: the input projection ``X
 is one matmul over all time steps, the recurrence one ``H·Rᵀ`` matmul per step. ``sequence_lens``
 (constant or not) is handled by masking with ``where``: past a batch row's length its state stays
 frozen and its output is zero, and a reverse pass leaves the state at its initial value until the
-row's last valid step, which is exactly ONNX's per-row reversal. Half precision computes in f32.
+row's last valid step, which is exactly ONNX's per-row reversal (a zero-length row's Y_h is its
+initial_h). Half precision computes in f32.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ Act = Callable[[Node], Node]
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTS = {"RNN": ("Tanh",), "GRU": ("Sigmoid", "Tanh"), "LSTM": ("Sigmoid", "Tanh", "Tanh")}
-# activation → (alpha default, beta default); None: the activation takes no such parameter. Only the
-# parameters an activation takes are consumed from activation_alpha/beta, in order (as onnxruntime does).
+# activation → (alpha default, beta default); None: it takes no such parameter. Only the parameters an
+# activation takes are consumed from activation_alpha/beta, in order (as onnxruntime does). The defaults
+# are those of the standalone ONNX ops (onnxruntime uses 0 for Affine, ThresholdedRelu and ScaledTanh).
 _PARAMS: dict[str, tuple[float | None, float | None]] = {
     "affine": (1.0, 0.0), "leakyrelu": (0.01, None), "thresholdedrelu": (1.0, None),
     "scaledtanh": (1.0, 1.0), "hardsigmoid": (0.2, 0.5), "elu": (1.0, None),
