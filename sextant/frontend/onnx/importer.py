@@ -80,7 +80,12 @@ def _attrs(node: Any) -> dict[str, Any]:
     for a in node.attribute:
         if a.ref_attr_name:
             raise Unsupported(f"attribute {a.name!r} refers to a function attribute")
-        out[a.name] = a.t if a.type == a.TENSOR else helper.get_attribute_value(a)
+        v = a.t if a.type == a.TENSOR else helper.get_attribute_value(a)
+        if isinstance(v, bytes):  # STRING attributes: translations see str
+            v = v.decode()
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [s.decode() for s in v]
+        out[a.name] = v
     return out
 
 

@@ -11,7 +11,6 @@ import math
 
 from sextant.frontend.lowerings import Unsupported
 from sextant.frontend.onnx.dtypes import from_onnx
-from sextant.frontend.onnx.ops_nn import _str
 from sextant.frontend.onnx.registry import OnnxContext, onnx_op
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
@@ -154,7 +153,7 @@ def _linear_attention(ctx: OnnxContext, q: Node, k: Node, v: Node, past: Node | 
     """The recurrence unrolled over T (static), in f32 as ONNX's reference: a graph has no loop op,
     and the sequential form is exact for every update rule (chunk_size is only a tuning hint)."""
     b = ctx.b
-    rule = _str(ctx, "update_rule", "gated_delta")
+    rule = ctx.attr("update_rule", "gated_delta")
     hq, hkv = int(ctx.attr("q_num_heads", 0)), int(ctx.attr("kv_num_heads", 0))
     if rule not in ("linear", "gated", "delta", "gated_delta"):
         raise Unsupported(f"LinearAttention: update_rule={rule!r}")

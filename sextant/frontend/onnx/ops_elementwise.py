@@ -73,10 +73,6 @@ for _name, _op in _VARIADIC_ATEN.items():
     onnx_op(_name)(_variadic(_op))
 
 
-def _str_attr(ctx: OnnxContext, name: str, default: str) -> str:
-    v = ctx.attr(name, default)
-    return v.decode() if isinstance(v, bytes) else str(v)
-
 
 def _in_opmath(ctx: OnnxContext, x: Node, fn: Callable[[Node], Node]) -> Node:
     """Compute a composite activation of f16/bf16 in f32 and round once, as torch does."""
@@ -116,7 +112,7 @@ def _mean(ctx: OnnxContext, *xs: Node | None) -> Node:
 @onnx_op("BitShift")
 def _bitshift(ctx: OnnxContext, x: Node, y: Node) -> Node:
     """ONNX defines BitShift on unsigned types only, which sextant lacks; on i32/i64 RIGHT is arithmetic."""
-    direction = _str_attr(ctx, "direction", "")
+    direction = ctx.attr("direction", "")
     if direction not in ("LEFT", "RIGHT"):
         raise Unsupported(f"BitShift: direction must be LEFT or RIGHT, got {direction!r}")
     op = aten.bitwise_left_shift.Tensor if direction == "LEFT" else aten.bitwise_right_shift.Tensor
@@ -245,7 +241,7 @@ def _mish(ctx: OnnxContext, x: Node) -> Node:
 
 @onnx_op("Gelu")
 def _gelu(ctx: OnnxContext, x: Node) -> Node:
-    approximate = _str_attr(ctx, "approximate", "none")
+    approximate = ctx.attr("approximate", "none")
     if approximate not in ("none", "tanh"):
         raise Unsupported(f"Gelu: approximate={approximate!r} (only 'none' and 'tanh')")
     return ctx.aten(aten.gelu.default, x, approximate=approximate)

@@ -24,11 +24,6 @@ from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 
 
-def _str(ctx: OnnxContext, name: str, default: str) -> str:
-    v = ctx.attr(name, default)
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _float(x: Node, b: GraphBuilder) -> Node:
     return x if x.dtype.is_float else b.cast(x, DType.f32)
 
@@ -107,7 +102,7 @@ def _diagonal(b: GraphBuilder, x: Node, labels: list[str]) -> tuple[Node, list[s
 @onnx_op("Einsum")
 def _einsum(ctx: OnnxContext, *xs: Node) -> Node:
     b = ctx.b
-    terms, out = _einsum_parse(_str(ctx, "equation", ""), [x.type.rank for x in xs])
+    terms, out = _einsum_parse(ctx.attr("equation", ""), [x.type.rank for x in xs])
     sizes: dict[str, int] = {}
     for x, t in zip(xs, terms):
         for c, d in zip(t, x.shape):
@@ -153,7 +148,7 @@ def _pads(ctx: OnnxContext, in_sp: Sequence[int], kernel: Sequence[int], strides
           dilations: Sequence[int]) -> tuple[list[int], list[int]]:
     """(begin, end) padding per spatial dim, from ``pads`` or ``auto_pad``."""
     n = len(in_sp)
-    auto = _str(ctx, "auto_pad", "NOTSET")
+    auto = ctx.attr("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         lo, hi = [], []
         for i in range(n):
@@ -191,7 +186,7 @@ def _causal_conv(ctx: OnnxContext, x: Node, w: Node, bias: Node | None = None, p
     ch, k = x.shape[1], w.shape[2]
     padded = b.pad(x, [0, 0, k - 1], [0, 0, 0]) if past is None else b.concat([b.cast(past, x.dtype), x], 2)
     y = ctx.aten(aten.convolution.default, padded, w, bias, [1], [0], [1], False, [0], ch)
-    act = _str(ctx, "activation", "none")
+    act = ctx.attr("activation", "none")
     if act in ("silu", "swish"):
         t = b.cast(y, DType.f32)
         y = b.cast(b.mul(t, b.unary("sigmoid", t)), y.dtype)
@@ -211,7 +206,7 @@ def _conv_transpose(ctx: OnnxContext, x: Node, w: Node, bias: Node | None = None
     out_pad = _spatial(ctx, "output_padding", n, 0)
     in_sp = x.shape[2:]
     full = [strides[i] * (in_sp[i] - 1) + (kernel[i] - 1) * dilations[i] + 1 for i in range(n)]
-    auto = _str(ctx, "auto_pad", "NOTSET")
+    auto = ctx.attr("auto_pad", "NOTSET")
     out_shape = ctx.attr("output_shape")
     if out_shape or auto in ("SAME_UPPER", "SAME_LOWER"):
         want = [int(d) for d in out_shape][-n:] if out_shape else [in_sp[i] * strides[i] for i in range(n)]
@@ -235,7 +230,7 @@ def _pool_geometry(ctx: OnnxContext, x: Node, kernel: Sequence[int]):
     in_sp = x.shape[2:]
     strides, dilations = _spatial(ctx, "strides", n), _spatial(ctx, "dilations", n)
     lo, hi = _pads(ctx, in_sp, kernel, strides, dilations)
-    auto = _str(ctx, "auto_pad", "NOTSET")
+    auto = ctx.attr("auto_pad", "NOTSET")
     out = []
     for i in range(n):
         span = in_sp[i] + lo[i] + hi[i] - (kernel[i] - 1) * dilations[i] - 1

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from sextant.frontend.lowerings import Unsupported
-from sextant.frontend.onnx.ops_nn import _float, _spatial, _str
+from sextant.frontend.onnx.ops_nn import _float, _spatial
 from sextant.frontend.onnx.registry import OnnxContext, norm_axes, onnx_op
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
@@ -177,7 +177,7 @@ def _resize(ctx: OnnxContext, x: Node, *ins: Node | None) -> Node:
     else:
         roi_in, scales_in, sizes_in = tuple(ins) + (None,) * (3 - len(ins))
         coord_default, nearest_default = "half_pixel", "round_prefer_floor"
-    coord = _str(ctx, "coordinate_transformation_mode", coord_default)
+    coord = ctx.attr("coordinate_transformation_mode", coord_default)
     axes = norm_axes(ctx.attr("axes") or list(range(rank)), rank)
     sizes = ctx.ints(sizes_in, "sizes") if sizes_in is not None else None
     scales = _float_list(ctx, scales_in, "scales") if not sizes else None
@@ -192,7 +192,7 @@ def _resize(ctx: OnnxContext, x: Node, *ins: Node | None) -> Node:
         for a, s in zip(axes, sizes):
             out[a] = s
         sc = [out[d] / x.shape[d] if x.shape[d] else 1.0 for d in range(rank)]
-        policy = _str(ctx, "keep_aspect_ratio_policy", "stretch")
+        policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
         if policy != "stretch":
             pick = min if policy == "not_larger" else max
             s = pick(sc[a] for a in axes)
@@ -205,8 +205,8 @@ def _resize(ctx: OnnxContext, x: Node, *ins: Node | None) -> Node:
         out = [int(np.float64(sc[d]) * x.shape[d]) for d in range(rank)]
     else:
         raise Unsupported("Resize: neither scales nor sizes is given")
-    return _resample(ctx, x, sc, out, roi, mode=_str(ctx, "mode", "nearest"), coord=coord,
-                     nearest=_str(ctx, "nearest_mode", nearest_default),
+    return _resample(ctx, x, sc, out, roi, mode=ctx.attr("mode", "nearest"), coord=coord,
+                     nearest=ctx.attr("nearest_mode", nearest_default),
                      cubic_a=float(ctx.attr("cubic_coeff_a", -0.75)),
                      exclude_outside=bool(ctx.attr("exclude_outside", 0)),
                      extrapolation=float(ctx.attr("extrapolation_value", 0.0)),
@@ -218,7 +218,7 @@ def _upsample(ctx: OnnxContext, x: Node, scales: Node | None = None) -> Node:
     sc = _float_list(ctx, scales, "scales") if scales is not None else [float(s) for s in ctx.attr("scales", [])]
     if not sc or len(sc) != x.type.rank:
         raise Unsupported(f"Upsample: scales {sc} for an input of rank {x.type.rank}")
-    mode = _str(ctx, "mode", "nearest")
+    mode = ctx.attr("mode", "nearest")
     mode = "linear" if mode in ("bilinear", "trilinear") else mode
     out = [int(s * d) for s, d in zip(sc, x.shape)]
     return _resample(ctx, x, sc, out, None, mode=mode, coord="asymmetric", nearest="floor")
@@ -330,9 +330,9 @@ def _sample(b: GraphBuilder, x: Node, coords: Sequence[Node], mode: str, padding
 @onnx_op("GridSample")
 def _grid_sample(ctx: OnnxContext, x: Node, grid: Node) -> Node:
     b = ctx.b
-    mode = _str(ctx, "mode", "linear" if ctx.opset >= 20 else "bilinear")
+    mode = ctx.attr("mode", "linear" if ctx.opset >= 20 else "bilinear")
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
-    padding = _str(ctx, "padding_mode", "zeros")
+    padding = ctx.attr("padding_mode", "zeros")
     align = bool(ctx.attr("align_corners", 0))
     if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
         raise Unsupported(f"GridSample: mode={mode!r}, padding_mode={padding!r}")

@@ -22,12 +22,7 @@ from sextant.graph.builder import GraphBuilder, broadcast_shapes
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 
-
 # -- helpers ---------------------------------------------------------------------------------------
-def _str(ctx: OnnxContext, name: str, default: str) -> str:
-    v = ctx.attr(name, default)
-    return v.decode() if isinstance(v, bytes) else str(v)
-
 
 def _proto_tensor(proto: object) -> torch.Tensor:
     """A TensorProto attribute as a tensor, or Unsupported when sextant lacks its element type."""
@@ -188,7 +183,7 @@ def _unsqueeze(ctx: OnnxContext, x: Node, axes: Node | None = None) -> Node:
 def _depth_to_space(ctx: OnnxContext, x: Node) -> Node:
     k = int(ctx.attr("blocksize"))
     n, c, h, w = x.shape
-    if _str(ctx, "mode", "DCR") == "DCR":
+    if ctx.attr("mode", "DCR") == "DCR":
         y = ctx.b.permute(ctx.b.reshape(x, (n, k, k, c // (k * k), h, w)), (0, 3, 4, 1, 5, 2))
     else:  # CRD
         y = ctx.b.permute(ctx.b.reshape(x, (n, c // (k * k), k, k, h, w)), (0, 1, 4, 2, 5, 3))
@@ -295,7 +290,7 @@ def _pad_index(mode: str, n: int, lo: int, hi: int) -> np.ndarray:
 def _pad(ctx: OnnxContext, x: Node, pads: Node | None = None, value: Node | None = None,
          axes: Node | None = None) -> Node:
     b, r = ctx.b, x.type.rank
-    mode = _str(ctx, "mode", "constant")
+    mode = ctx.attr("mode", "constant")
     if ctx.opset < 11:
         p, fill = list(ctx.attr("pads")), ctx.attr("value", 0.0)
     else:
@@ -382,7 +377,7 @@ _REDUCTION = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
 
 
 def _scatter(ctx: OnnxContext, x: Node, dim: int, index: Node, src: Node) -> Node:
-    red = _str(ctx, "reduction", "none")
+    red = ctx.attr("reduction", "none")
     if red == "none":
         return ctx.aten(aten.scatter.src, x, dim, index, src)
     if red not in _REDUCTION:
@@ -420,7 +415,7 @@ def _tensor_scatter(ctx: OnnxContext, past: Node, update: Node, write_indices: N
     if write_indices is not None:
         w = b.reshape(b.cast(write_indices, DType.i64), (past.shape[0],) + (1,) * (past.type.rank - 1))
         j = b.sub(j, b.broadcast_to(w, past.shape))
-    if _str(ctx, "mode", "linear") == "circular":
+    if ctx.attr("mode", "linear") == "circular":
         j = b.binary("remainder", j, m)
     valid = b.binary("bitwise_and", b.binary("ge", j, 0), b.binary("lt", j, s))
     src = b.gather(update, a, b.minimum(b.maximum(j, 0), s - 1))

@@ -67,6 +67,7 @@ class OnnxContext:
         return len(self.node.output)
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """An attribute's value (STRING attributes already decoded to str), or ``default``."""
         return self.attrs.get(name, default)
 
     def subgraph(self, graph: Any, inputs: Sequence[Node | None]) -> list[Node]:
