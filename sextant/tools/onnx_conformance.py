@@ -244,6 +244,11 @@ def _one(folder: Path, targets: Sequence[str]) -> bytes:
 
 def _worker(targets: Sequence[str], rfd: int, wfd: int) -> None:
     """Read test folders (one per line), write one JSON result line each, until told to stop."""
+    import torch
+
+    # one thread per worker (the workers are the parallelism), and no OpenMP: libgomp's thread pool
+    # does not survive fork, so a parallel torch op in a child of a process that used it hangs
+    torch.set_num_threads(1)
     with os.fdopen(rfd, "rb") as inp, os.fdopen(wfd, "wb", buffering=0) as out:
         for line in inp:
             if not line.strip():

@@ -69,3 +69,13 @@ def test_float_node_tests_floor(capsys: pytest.CaptureFixture[str]) -> None:
     assert m, last
     assert int(m[2]) >= 1200  # the float node tests of onnx 1.22
     assert float(m[3]) >= FLOOR_PERCENT, last
+
+
+def test_workers_survive_a_parent_that_used_openmp() -> None:
+    """libgomp's pool does not survive fork: a parallel torch op in a worker hung until the fix."""
+    import torch
+
+    x = torch.randn(1024, 1024)
+    (x @ x).sum()  # the parent (like a pytest worker that ran other tests) starts the OpenMP pool
+    (r,) = oc.run_all(_cases("test_conv_with_autopad_same"), ["reference", "cpu"], jobs=1, timeout=60)
+    assert r.status == oc.PASS, r
