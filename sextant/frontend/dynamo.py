@@ -1,0 +1,209 @@
+"""``torch.compile(model, backend="sextant")``: sextant as a Dynamo backend.
+
+Dynamo traces the user's ``forward`` in Python, splits it at graph breaks (a ``print``, a
+data-dependent branch), and hands each FX graph to the backend with example inputs. sextant
+compiles each graph through the same path as ``sextant.compile`` — torch.export of the
+``GraphModule``, Core ATen, the one lowering table — for the target the inputs live on (CUDA
+tensors → ``cuda``, CPU tensors → ``cpu``) or the one given in ``options``. A graph sextant
+cannot compile (an unsupported op, an export failure, symbolic shapes) falls back to eager for
+that graph only, with the reason logged on the ``sextant.dynamo`` logger; the model still runs.
+
+The backend is registered under the name ``sextant`` as a ``torch_dynamo_backends`` entry point
+(so ``backend="sextant"`` works in a fresh process after ``pip install``), and by
+:func:`register` (called on ``import sextant`` when Dynamo is already loaded).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("sextant.dynamo")
+OPTIONS = ("target", "arch", "pipeline", "fallback")
+
+
+@dataclass
+class GraphRecord:
+    """What happened to one graph Dynamo handed over (kept on :data:`STATS`, for tests and users)."""
+
+    nodes: int
+    target: str | None  # None: ran eagerly
+    reason: str = ""  # why it fell back, when it did
+
+
+@dataclass
+class Stats:
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    @property
+    def compiled(self) -> int:
+        return sum(g.target is not None for g in self.graphs)
+
+    @property
+    def fallbacks(self) -> int:
+        return sum(g.target is None for g in self.graphs)
+
+    def reset(self) -> None:
+        self.graphs.clear()
+
+
+STATS = Stats()
+
+
+def _device_target(example_inputs: Sequence[Any]) -> str:
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    return "cuda" if "cuda" in devices else "cpu"
+
+
+def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown sextant backend option(s) {unknown}; known: {', '.join(OPTIONS)}")
+    return options
+
+
+def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                    options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """Compile one Dynamo graph; returns a callable with the graph's calling convention.
+
+    ``options`` (``torch.compile(..., options={...})``): ``target`` ("cpu", "cuda", "cuda-sim",
+    "reference"; default: the inputs' device), ``arch``, ``pipeline``, and ``fallback`` (default
+    True: run a graph sextant cannot compile eagerly; False: raise).
+    """
+    import sextant
+    from sextant.errors import SextantError
+
+    opts = _check_options(options)
+    target = opts.get("target") or _device_target(example_inputs)
+    nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
+
+    def fall_back(reason: str) -> Callable[..., Any]:
+        if not opts.get("fallback", True):
+            raise SextantError(f"sextant backend: cannot compile this graph: {reason}")
+        STATS.graphs.append(GraphRecord(nodes, None, reason))
+        log.warning("sextant: running a graph of %d ops eagerly: %s", nodes, reason)
+        return gm.forward
+
+    bad = sorted({type(x).__name__ for x in example_inputs if not isinstance(x, (torch.Tensor, int, torch.SymInt))})
+    if bad:
+        return fall_back(f"non-tensor graph inputs ({', '.join(bad)})")
+
+    def compile_for(args: Sequence[Any]) -> Any:
+        flat = _Flat(gm, args)
+        compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
+                                   target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
+        if not flat.baked:
+            return compiled
+        return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
+
+    if _symbolic(example_inputs):  # dynamic=True, or Dynamo's automatic dynamic after a shape change
+        STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: compiled per concrete shape"))
+        log.info("sextant: a graph of %d ops with symbolic shapes: compiled per concrete shape on %s", nodes, target)
+        return _PerShape(compile_for, fall_back, nodes)
+    try:
+        compiled = compile_for(example_inputs)
+    except SextantError as e:
+        return fall_back(str(e).splitlines()[0] + _first_reasons(e))
+    STATS.graphs.append(GraphRecord(nodes, compiled.target))
+    log.info("sextant: compiled a graph of %d ops for %s", nodes, compiled.target)
+
+    def run(*args: Any) -> Any:
+        return compiled(*args)
+
+    run.compiled = compiled  # type: ignore[attr-defined]  # for inspection (stages, kernels)
+    return run
+
+
+def _signature(a: Any) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.dim() == 0 and a.dtype == torch.float64 and a.device.type == "cpu":
+        return ("f64", a.item())  # baked into the compiled graph (see _Flat): its value is part of the key
+    return tuple(a.shape), a.dtype, a.device.type
+
+
+def _symbolic(xs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in x.shape)) for x in xs)
+
+
+class _PerShape:
+    """A graph Dynamo made shape-generic, compiled once per concrete signature (tensor shapes and the
+    size arguments Dynamo passes alongside): sextant compiles static shapes, so a new batch size or
+    sequence length costs one compile, then runs from this cache. Past ``MAX`` signatures, or for a
+    signature sextant cannot compile, the graph runs eagerly."""
+
+    MAX = 16
+
+    def __init__(self, compile_for: Callable[[Sequence[Any]], Any], fall_back: Callable[[str], Any],
+                 nodes: int) -> None:
+        self._compile_for, self._fall_back, self.nodes = compile_for, fall_back, nodes
+        self.compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple(_signature(a) for a in args)
+        fn = self.compiled.get(key)
+        if fn is None:
+            from sextant.errors import SextantError
+
+            if len(self.compiled) >= self.MAX:
+                fn = self._fall_back(f"more than {self.MAX} distinct shapes")
+            else:
+                try:
+                    fn = self._compile_for(args)
+                    log.info("sextant: compiled a graph of %d ops for shapes %s", self.nodes, key)
+                except SextantError as e:
+                    fn = self._fall_back(str(e).splitlines()[0] + _first_reasons(e))
+            self.compiled[key] = fn
+        return fn(*args)
+
+
+def _first_reasons(e: BaseException) -> str:
+    items = getattr(e, "items", None)
+    if not items:
+        return ""
+    return " (" + "; ".join(f"{i.op}{': ' + i.reason if i.reason else ''}" for i in items[:3]) + ")"
+
+
+class _Flat(torch.nn.Module):
+    """The GraphModule as a module whose forward takes the graph's flat tensor inputs (Dynamo's graphs
+    take a flat list; torch.export wants positional arguments) and returns its outputs unchanged.
+
+    Float64 scalars on the CPU are how ``dynamic=True`` passes Python floats of the model (a
+    LayerNorm's eps): they are baked in as the constants they are (the graph reads them with
+    ``.item()``), and the compiled graph skips them."""
+
+    def __init__(self, gm: torch.fx.GraphModule, args: Sequence[Any]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.baked = {i: a.item() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
+                      and a.dtype == torch.float64 and a.device.type == "cpu"}
+        self._n = len(args)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        it = iter(args)
+        full = [torch.tensor(self.baked[i], dtype=torch.float64) if i in self.baked else next(it)
+                for i in range(self._n)]
+        return self.gm(*full)
+
+
+def register() -> None:
+    """Register ``"sextant"`` with Dynamo (idempotent). The entry point makes this unnecessary after
+    ``pip install``; it is here for source trees that were not installed."""
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, _lazy_import, register_backend
+
+    _lazy_import()  # discovers the entry points: installed, "sextant" is one and torch loads it on lookup
+    if "sextant" not in _COMPILER_FNS and "sextant" not in _BACKENDS:
+        register_backend(sextant_backend, name="sextant")
+
+
+def register_if_dynamo_loaded() -> None:
+    """Called on ``import sextant``: registering imports Dynamo (~2 s), so only when it is already loaded."""
+    if "torch._dynamo" in sys.modules:
+        register()

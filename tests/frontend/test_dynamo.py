@@ -1,0 +1,151 @@
+"""torch.compile(model, backend="sextant"): graphs from Dynamo, graph breaks, fallbacks, shape changes."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import sextant
+import sextant.frontend.dynamo as dyn
+from sextant.examples import EXAMPLES
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    dyn.STATS.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _check(module: nn.Module, args: tuple, **compile_kwargs) -> None:
+    compiled = torch.compile(module, backend="sextant", **compile_kwargs)
+    g = torch.Generator().manual_seed(3)
+    fresh = tuple(torch.randn(a.shape, generator=g) if a.dtype.is_floating_point
+                  else torch.randint(0, 50, a.shape, generator=g, dtype=a.dtype) for a in args)
+    with torch.no_grad():
+        got, want = _tensor(compiled(*fresh)), _tensor(module(*fresh))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples(name: str, target: str) -> None:
+    kwargs = {"n_layer": 1, "n_embd": 64, "n_head": 2, "seq": 16} if name == "gpt2" else {}
+    module, args = EXAMPLES[name](**kwargs)[:2]
+    _check(module.eval(), args, options={"target": target})
+    assert dyn.STATS.fallbacks == 0 and dyn.STATS.compiled >= 1
+    assert {g.target for g in dyn.STATS.graphs} == {target}
+
+
+def _small_resnet() -> tuple[nn.Module, tuple]:
+    from transformers import ResNetConfig, ResNetModel
+
+    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")
+    return ResNetModel(cfg).eval(), (torch.randn(1, 3, 32, 32),)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "resnet"])
+def test_hf_models(name: str) -> None:
+    from sextant.zoo import ZOO
+
+    module, args = _small_resnet() if name == "resnet" else ZOO[name]()[:2]
+    _check(module, args)  # the default target: the inputs' device (cpu here)
+    assert dyn.STATS.fallbacks == 0
+    assert {g.target for g in dyn.STATS.graphs} == {"cpu"}
+
+
+class Breaks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        print("a graph break")  # Dynamo cannot trace print: the graph is split here
+        if y.sum() > 0:  # data-dependent branch: another break
+            return self.b(y) * 2
+        return self.b(y) - 1
+
+
+def test_graph_breaks(capsys: pytest.CaptureFixture[str]) -> None:
+    _check(Breaks().eval(), (torch.randn(4, 8),))
+    assert "a graph break" in capsys.readouterr().out
+    assert dyn.STATS.compiled >= 2 and dyn.STATS.fallbacks == 0
+
+
+class Sorts(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sort(x * 2).values + 1  # aten.sort has no sextant lowering
+
+
+def test_unsupported_graph_falls_back_with_a_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="sextant.dynamo"):
+        _check(Sorts(), (torch.randn(4, 8),))
+    assert dyn.STATS.fallbacks == 1 and "aten.sort" in dyn.STATS.graphs[0].reason
+    assert "running a graph of" in caplog.text and "aten.sort" in caplog.text
+
+
+def test_fallback_off_raises() -> None:
+    compiled = torch.compile(Sorts(), backend="sextant", options={"fallback": False})
+    with pytest.raises(Exception, match="cannot compile this graph"):
+        compiled(torch.randn(4, 8))
+
+
+def test_unknown_option() -> None:
+    compiled = torch.compile(Sorts(), backend="sextant", options={"targte": "cpu"})
+    with pytest.raises(Exception, match="unknown sextant backend option"):
+        compiled(torch.randn(4, 8))
+
+
+def test_shape_changes_compile_once_per_shape() -> None:
+    """Dynamo's automatic dynamic makes the graph shape-generic after a change; sextant compiles per shape."""
+    module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16)).eval()
+    compiled = torch.compile(module, backend="sextant")
+    with torch.no_grad():
+        for batch in (2, 3, 5, 3, 5):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
+    assert dyn.STATS.fallbacks == 0
+    per_shape = [g for g in dyn.STATS.graphs if "per concrete shape" in g.reason]
+    assert len(per_shape) == 1
+
+
+def test_dynamic_true() -> None:
+    module = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)).eval()
+    compiled = torch.compile(module, backend="sextant", dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 7):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
+    assert dyn.STATS.fallbacks == 0
+
+
+def test_backend_callable_and_name() -> None:
+    module = nn.Linear(4, 4).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(module, backend=sextant.backend)(torch.ones(2, 4)),
+                                   module(torch.ones(2, 4)))
+    assert "sextant" in torch._dynamo.list_backends()
+
+
+def test_entry_point_in_a_fresh_process() -> None:
+    """backend="sextant" works without importing sextant first (the torch_dynamo_backends entry point)."""
+    code = ("import torch\nm = torch.nn.Linear(4, 4)\nx = torch.randn(2, 4)\n"
+            "y = torch.compile(m, backend='sextant')(x)\nassert torch.allclose(y, m(x), atol=1e-5)\n"
+            "import sextant.frontend.dynamo as d\nassert d.STATS.compiled == 1, d.STATS\nprint('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
