@@ -30,7 +30,7 @@ def compile(  # mirrors torch.compile
     args: tuple,
     kwargs: Mapping[str, Any] | None = None,
     *,
-    target: str = "reference",
+    target: str | None = None,
     arch: str | None = None,
     pipeline: str | Sequence[str] = "default",
     print_after_all: bool = False,
@@ -39,6 +39,7 @@ def compile(  # mirrors torch.compile
 ) -> CompiledModule:
     """Compile ``module`` for inputs shaped like ``args``/``kwargs``; returns a callable like the module.
 
+    ``target`` defaults to where the inputs are: ``"cuda"`` for CUDA tensors, else ``"cpu"``.
     ``target="reference"`` runs the optimised graph IR with the reference executor (the
     oracle every code-generating target is tested against); ``target="cpu"`` fuses it into
     kernels, generates LLVM IR and runs the JIT-compiled machine code on all cores;
@@ -49,18 +50,29 @@ def compile(  # mirrors torch.compile
     ``progress``, if given, is entered around each stage (see ``STAGES``) — the hook the
     ``sextant`` command uses to print what is running and how long it took.
     """
+    if not isinstance(args, tuple):
+        args = (args,)
+    if target is None:
+        target = default_target(args, kwargs)
     if target not in TARGETS:
         if target in PLANNED_TARGETS:
             raise ValueError(f"target {target!r} is not implemented yet; available: {', '.join(TARGETS)}")
         raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-    if not isinstance(args, tuple):
-        args = (args,)
     if target == "cuda":  # fail before the slow stages when there is no GPU or no cuda-python
         from sextant.runtime.cuda import require_cuda
 
         require_cuda()
     with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
         return _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress)
+
+
+def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:
+    """The target for inputs that live where ``args``/``kwargs`` do: ``cuda`` if any tensor is on a CUDA
+    device, else ``cpu``."""
+    import torch.utils._pytree as pytree
+
+    leaves = pytree.tree_leaves((args, dict(kwargs or {})))
+    return "cuda" if any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in leaves) else "cpu"
 
 
 def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,

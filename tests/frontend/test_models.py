@@ -45,7 +45,7 @@ def test_capture_is_faithful_before_passes(name: str) -> None:
 
 def test_passes_shrink_gpt2() -> None:
     model, args = EXAMPLES["gpt2"]()
-    compiled = sextant.compile(model, args)
+    compiled = sextant.compile(model, args, target="reference")
     before = len(compiled.stages["captured"].nodes)
     after = len(compiled.graph.nodes)
     assert after < before, (before, after)
@@ -79,7 +79,7 @@ def test_half_precision_transformer_block(dtype: torch.dtype) -> None:
     model, (x,) = EXAMPLES["transformer-block"]()
     model = model.to(dtype)
     x = x.to(dtype)
-    compiled = sextant.compile(model, (x,))
+    compiled = sextant.compile(model, (x,), target="reference")
     fresh = torch.randn_like(x)
     with torch.no_grad():
         expected = model(fresh)
@@ -96,7 +96,7 @@ def test_huggingface_model_output_is_kept() -> None:
     ids = torch.randint(0, 100, (2, 8))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :3] = 0  # left padding in the first sequence
-    compiled = sextant.compile(model, (ids,), {"attention_mask": mask, "use_cache": False})
+    compiled = sextant.compile(model, (ids,), {"attention_mask": mask, "use_cache": False}, target="reference")
     fresh = torch.randint(0, 100, (2, 8))
     out = compiled(fresh, attention_mask=mask, use_cache=False)
     with torch.no_grad():

@@ -28,7 +28,7 @@ def _args():
 def test_pytree_outputs_and_kwargs() -> None:
     model = Multi().eval()
     args, kwargs = _args()
-    compiled = sextant.compile(model, args, kwargs)
+    compiled = sextant.compile(model, args, kwargs, target="reference")
     x, ids = torch.randn(2, 4), torch.arange(5) + 3
     mask = torch.rand(2, 3) > 0.5
     out = compiled(x, ids, scale=3.0, mask=mask)
@@ -41,7 +41,7 @@ def test_pytree_outputs_and_kwargs() -> None:
 def test_kwargs_order_does_not_matter() -> None:
     model = Multi().eval()
     args, kwargs = _args()
-    compiled = sextant.compile(model, args, kwargs)
+    compiled = sextant.compile(model, args, kwargs, target="reference")
     out = compiled(*args, mask=kwargs["mask"], scale=3.0)
     torch.testing.assert_close(out, model(*args, **kwargs))
 
@@ -60,7 +60,7 @@ def test_kwargs_order_does_not_matter() -> None:
 )
 def test_bad_calls_raise_clear_errors(call, message: str) -> None:
     args, kwargs = _args()
-    compiled = sextant.compile(Multi().eval(), args, kwargs)
+    compiled = sextant.compile(Multi().eval(), args, kwargs, target="reference")
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
         call(compiled, args, kwargs)
 
@@ -68,7 +68,7 @@ def test_bad_calls_raise_clear_errors(call, message: str) -> None:
 def test_repeatable_and_thread_safe() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).eval()
     x = torch.randn(4, 8)
-    compiled = sextant.compile(model, (x,))
+    compiled = sextant.compile(model, (x,), target="reference")
     first = compiled(x)
     results: list[torch.Tensor] = []
     threads = [threading.Thread(target=lambda: results.append(compiled(x))) for _ in range(4)]
@@ -86,5 +86,13 @@ def test_inputs_are_not_modified() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
     x = torch.randn(4, 8)
     keep = x.clone()
-    sextant.compile(model, (x,))(x)
+    sextant.compile(model, (x,), target="reference")(x)
     assert torch.equal(x, keep)
+
+
+def test_default_target_is_the_inputs_device() -> None:
+    model = torch.nn.Linear(4, 4).eval()
+    x = torch.randn(2, 4)
+    compiled = sextant.compile(model, (x,))
+    assert compiled.target == "cpu"  # CPU tensors: native CPU code, not the reference interpreter
+    torch.testing.assert_close(compiled(x), model(x))
