@@ -20,7 +20,7 @@ from sextant.runtime.onnx_module import OnnxCompiledModule
 TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
 # ``progress(stage)`` returns a context manager that brackets one compile stage (for progress
 # lines and timings, e.g. the ``sextant`` command's); the stage names are these:
-STAGES = ("capture", "onnx-import", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu", "load")
+STAGES = ("cache", "capture", "onnx-import", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu", "load")
 StageHook = Callable[[str], AbstractContextManager[Any]]
 PLANNED_TARGETS: tuple[str, ...] = ()
 
@@ -36,6 +36,7 @@ def compile(  # mirrors torch.compile
     print_after_all: bool = False,
     stream: TextIO = sys.stdout,
     progress: StageHook | None = None,
+    cache: bool = True,
 ) -> CompiledModule:
     """Compile ``module`` for inputs shaped like ``args``/``kwargs``; returns a callable like the module.
 
@@ -49,6 +50,10 @@ def compile(  # mirrors torch.compile
     ``arch`` defaults to sm_90 for cuda-sim and to the device's compute capability for cuda.
     ``progress``, if given, is entered around each stage (see ``STAGES``) — the hook the
     ``sextant`` command uses to print what is running and how long it took.
+    ``cache`` (with ``SEXTANT_CACHE``/``SEXTANT_COMPILE_CACHE`` not 0): a module compiled before with
+    the same code, weights, inputs and options is loaded from the compile cache instead
+    (``sextant.runtime.compile_cache``); such a module has the artifact's stages (``program``,
+    kernels, PTX), not the capture's.
     """
     if not isinstance(args, tuple):
         args = (args,)
@@ -62,8 +67,20 @@ def compile(  # mirrors torch.compile
         from sextant.runtime.cuda import require_cuda
 
         require_cuda()
+    from sextant.runtime import compile_cache
+
+    k = None
+    if cache and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
+        with (progress or (lambda _: contextlib.nullcontext()))("cache"):
+            k = compile_cache.key(module, args, kwargs, target, arch, pipeline)
+            hit = compile_cache.lookup(k) if k else None
+        if hit is not None:
+            return hit
     with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
-        return _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress)
+        compiled = _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress)
+    if k:
+        compile_cache.store(k, compiled)
+    return compiled
 
 
 def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:

@@ -7,6 +7,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# tests inspect every stage of what they compile (a cache hit has the artifact's stages only), and
+# must not depend on earlier runs: the compile cache's own tests turn it on in a temporary directory
+os.environ.setdefault("SEXTANT_COMPILE_CACHE", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -123,7 +123,8 @@ def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline:
                                         pipeline=pipeline, progress=progress.stage)
     else:
         compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
-                                   arch=arch, pipeline=pipeline, progress=progress.stage)
+                                   arch=arch, pipeline=pipeline, progress=progress.stage,
+                                   cache=False)  # the CLI shows every stage: it needs the capture's
     seconds = time.perf_counter() - t0
     progress.note(f"compiled in {seconds:.2f} s")
     ptx = compiled.stages.get("ptx")

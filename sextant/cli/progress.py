@@ -15,6 +15,7 @@ from typing import TextIO
 
 # what each of ``sextant.compile``'s stages (``sextant.api.STAGES``) is called on the terminal
 LABELS: dict[str, str] = {
+    "cache": "compile cache: fingerprint, lookup",
     "capture": "capture: torch.export -> graph IR",
     "onnx-import": "import: ONNX -> graph IR",
     "passes": "graph passes",

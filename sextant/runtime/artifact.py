@@ -381,9 +381,15 @@ def load(path: str | Path, *, target: str | None = None) -> CompiledModule:
     stages["cpu_module"] = module
     if run_target == "cuda-sim":
         log.info("loaded %s: running the GPU kernels on the CPU (target 'cuda-sim')", root)
-    else:
-        log.info("loaded %s: running on the CPU (target 'cpu')", root)
-    return CompiledModule(program.graph, run_target, ProgramRunner(program, module.launch), stages=stages)
+        return CompiledModule(program.graph, run_target, ProgramRunner(program, module.launch), stages=stages)
+    log.info("loaded %s: running on the CPU (target 'cpu')", root)
+    from sextant.codegen.race_check import CheckedCpuModule
+    from sextant.runtime.native_runner import NativeRunner
+
+    # as sextant.compile runs it: the native executor, or launch by launch for the race-checked build
+    runner = ProgramRunner(program, module.launch) if isinstance(module, CheckedCpuModule) else \
+        NativeRunner(program, module)
+    return CompiledModule(program.graph, run_target, runner, stages=stages)
 
 
 def _read_manifest(root: Path) -> dict[str, Any]:
