@@ -148,7 +148,9 @@ def save(compiled: CompiledModule, path: str | Path) -> Path:
     ptx_text, arch, cubin = None, None, None
     if gpu:
         ptx_text, arch, cubin = _gpu_code(compiled)
-    graph = compiled.graph
+    # the schedule's graph: on the CPU it adds nodes (explicit conv padding, conv weight layouts)
+    # that buffers refer to
+    graph = program.graph
     names = _node_names(graph)
     out = Path(path)
     if out.exists() and not out.is_dir():

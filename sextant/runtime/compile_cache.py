@@ -160,9 +160,9 @@ def store(k: str, compiled: Any) -> None:
         os.rename(tmp, root / k)  # atomic; fails if another process stored the same key first
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # the other writer's entry is as good as ours
-    except ArtifactError as e:
+    except Exception as e:  # a module the artifact format cannot hold is simply not cached
         shutil.rmtree(tmp, ignore_errors=True)
-        log.info("sextant: not caching this module: %s", e)
+        log.warning("sextant: not caching this module: %s: %s", type(e).__name__, e)
         return
     compiled.stages["cache"] = {"key": k, "hit": False, "path": root / k}
     _prune(root)

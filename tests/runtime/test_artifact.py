@@ -158,6 +158,15 @@ def test_cpu_target_round_trip_and_target_choice(tmp_path: Path) -> None:
         sextant.load(tmp_path / "cpu", target="cuda-sim")
 
 
+def test_cpu_convolutions_round_trip(tmp_path: Path) -> None:
+    """The CPU schedule adds graph nodes (explicit padding, conv weight layouts) that buffers name."""
+    model, args = EXAMPLES["cnn"]()
+    compiled = sextant.compile(model, args, target="cpu")
+    loaded = sextant.load(compiled.save(tmp_path / "cnn"))
+    x = torch.randn_like(args[0])
+    assert torch.equal(loaded(x), compiled(x))
+
+
 def test_reference_target_cannot_be_saved(tmp_path: Path) -> None:
     model, args = EXAMPLES["mlp"]()
     with pytest.raises(ArtifactError, match=r"target 'reference'.*targets cpu, cuda-sim, cuda"):
