@@ -109,7 +109,7 @@ def _gpu_stage(model: torch.nn.Module, args: tuple, fresh: list[torch.Tensor], e
     except CudaUnavailableError as e:
         target, why = "cuda-sim", str(e).split(";")[0].strip()
     t0 = time.perf_counter()
-    compiled = sextant.compile(model, args, target=target, arch="sm_90")
+    compiled = sextant.compile(model, args, target=target, arch="sm_90", cache=False)  # shows every stage
     t_gpu = time.perf_counter() - t0
     program, ptx = compiled.stages["program"], compiled.stages["ptx"]
     p(f"\n-- 7. target {target!r}: GPU schedules -> kernel IR -> LLVM NVPTX -> PTX (sm_90) -> ptxas "
