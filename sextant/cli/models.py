@@ -68,6 +68,7 @@ def load_onnx_model(spec: str, input_shapes: dict[str, list[int]] | None = None)
     from sextant.frontend.onnx import load
     from sextant.frontend.onnx.dtypes import from_onnx
     from sextant.frontend.onnx.eager import OnnxModel
+    from sextant.frontend.onnx.importer import graph_inputs
 
     if not Path(spec).is_file():
         raise _usage(f"ONNX file {spec!r} does not exist", "MODEL is a path to a .onnx file, FILE.py:FACTORY or "
@@ -77,8 +78,7 @@ def load_onnx_model(spec: str, input_shapes: dict[str, list[int]] | None = None)
     except SextantError as e:
         raise _usage(str(e), "check that the file is an ONNX model") from e
     given = dict(input_shapes or {})
-    init = {t.name for t in model.graph.initializer}
-    inputs = [vi for vi in model.graph.input if vi.name not in init]
+    inputs = graph_inputs(model)
     args = []
     for vi in inputs:
         tt = vi.type.tensor_type

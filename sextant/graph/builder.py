@@ -30,6 +30,11 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Views of the same memory with the same layout (``detach().contiguous()`` makes new objects)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+
+
 class GraphBuilder:
     """Accumulates nodes in definition order; ``loc`` is attached to every node emitted."""
 
@@ -52,9 +57,16 @@ class GraphBuilder:
         return node
 
     def param(self, name: str, tensor: torch.Tensor) -> Node:
+        """A named constant. The same tensor may be named twice (one param); a name already taken by a
+        different tensor gets a ``.1``, ``.2``, ... suffix (an ONNX initializer and a constant a
+        lowering makes may otherwise meet), so no tensor is ever replaced."""
         tensor = tensor.detach().contiguous()
-        self.params[name] = tensor
-        return self.emit("param", name=name, shape=tuple(tensor.shape), dtype=DType.from_torch(tensor.dtype))
+        key, k = name, 0
+        while key in self.params and not _same_tensor(self.params[key], tensor):
+            k += 1
+            key = f"{name}.{k}"
+        self.params[key] = tensor
+        return self.emit("param", name=key, shape=tuple(tensor.shape), dtype=DType.from_torch(tensor.dtype))
 
     def full(self, value: int | float | bool, shape: Sequence[int], dtype: DType) -> Node:
         value = bool(value) if dtype == DType.bool else int(value) if dtype.is_int else float(value)

@@ -51,6 +51,8 @@ class OnnxCompiledModule:
         return f"Onnx{self.compiled!r}"
 
     def _tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[torch.Tensor], bool]:
+        from sextant.frontend.onnx.dtypes import from_numpy  # (imported here: `import sextant` stays light)
+
         if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
             kwargs, args = args[0], ()
         if args and kwargs:
@@ -70,21 +72,14 @@ class OnnxCompiledModule:
         for leaf, a in zip(self.leaves, args):
             name = leaf.name
             if leaf.input_index is None:  # compiled for this value (constant_inputs): it must be repeated
-                if isinstance(a, torch.Tensor):
-                    given = a.cpu()
-                else:
-                    a = np.asarray(a)
-                    given = torch.from_numpy(a.astype(np.float32) if a.dtype.name == "bfloat16" else a.copy())
+                given = a.cpu() if isinstance(a, torch.Tensor) else from_numpy(a)
                 if given.shape != leaf.value.shape or not bool((given.to(leaf.value.dtype) == leaf.value).all()):
                     raise InputError(f"input {name!r} was specialised to {leaf.value.tolist()} when the model was "
                                      f"compiled (constant_inputs), got {given.tolist()}")
                 continue
             node = self.compiled.graph.inputs[leaf.input_index]
             if isinstance(a, (np.ndarray, np.generic)):
-                a = np.asarray(a)  # (not ascontiguousarray: it turns 0-d arrays into 1-d)
-                if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16 (what onnx's numpy_helper returns)
-                    a = a.astype(np.float32)
-                t = torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else a.copy())
+                t = from_numpy(a)
                 if node.dtype.torch == torch.bfloat16 and t.dtype == torch.float32:
                     t = t.to(torch.bfloat16)  # numpy has no bfloat16: bf16 inputs are given as float32
                 if self.device != "cpu":

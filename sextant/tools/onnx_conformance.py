@@ -156,14 +156,14 @@ def run_case(folder: Path, targets: Sequence[str]) -> CaseResult:
     import sextant
     from sextant.errors import UnsupportedOpError
     from sextant.frontend.onnx import OnnxImportError, import_onnx
+    from sextant.frontend.onnx.importer import graph_inputs
     from sextant.runtime.onnx_module import OnnxCompiledModule
 
     t0 = time.perf_counter()
     model = onnx.load(str(folder / "model.onnx"))
     res = CaseResult(folder.name, _main_op(model, folder.name), is_float_test(model), PASS)
     try:
-        init = {t.name for t in model.graph.initializer}
-        inputs = [vi for vi in model.graph.input if vi.name not in init]
+        inputs = graph_inputs(model)
         sets = []
         for ds in sorted(folder.glob("test_data_set_*")):
             sets.append((_read_tensors(ds, "input", inputs), _read_tensors(ds, "output", model.graph.output)))

@@ -78,3 +78,11 @@ def test_gather_and_iota() -> None:
 def test_half_precision_matmul_matches_torch() -> None:
     a, c = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16)
     torch.testing.assert_close(_run(lambda b, x, y: b.matmul(x, y), a, c), a @ c)
+
+
+def test_param_name_taken_by_another_tensor_gets_a_suffix() -> None:
+    b = GraphBuilder()
+    w1 = b.param("w", torch.zeros(2))
+    w2 = b.param("w", torch.ones(2))  # e.g. an ONNX initializer and a lowering's constant
+    assert (w1.attr("name"), w2.attr("name")) == ("w", "w.1")
+    assert torch.equal(b.params["w"], torch.zeros(2)) and torch.equal(b.params["w.1"], torch.ones(2))

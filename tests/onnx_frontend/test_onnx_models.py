@@ -10,6 +10,7 @@ import torch
 import sextant
 from sextant.examples import EXAMPLES
 from sextant.frontend.onnx.eager import OnnxModel
+from sextant.frontend.onnx.importer import graph_inputs
 
 from .models import export, mlp_with_shape_glue
 
@@ -18,7 +19,7 @@ TARGETS = ("cpu", "cuda-sim")
 
 
 def _ort(model: onnx.ModelProto, feeds: list[np.ndarray]) -> list[np.ndarray]:
-    names = [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}]
+    names = [vi.name for vi in graph_inputs(model)]
     out = OnnxModel(model, names)(*[torch.from_numpy(f) for f in feeds])
     return [o.numpy() for o in (out if isinstance(out, tuple) else (out,))]
 

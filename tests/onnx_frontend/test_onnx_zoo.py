@@ -9,6 +9,7 @@ import torch
 
 import sextant
 from sextant.frontend.onnx.eager import OnnxModel
+from sextant.frontend.onnx.importer import graph_inputs
 from sextant.zoo import ZOO
 
 from .models import export
@@ -23,7 +24,7 @@ def test_zoo_model_through_onnx(name: str) -> None:
     module, args = ZOO[name]()[:2]
     model = export(module, args)
     compiled = sextant.compile_onnx(model, target="cpu")
-    names = [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}]
+    names = [vi.name for vi in graph_inputs(model)]
     got, want = compiled(*args), OnnxModel(model, names)(*args)
     got, want = (x[0] if isinstance(x, tuple) else x for x in (got, want))
     with torch.no_grad():

@@ -48,6 +48,15 @@ def tensor_from_proto(proto: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, copy=True))
 
 
+def from_numpy(a: Any) -> torch.Tensor:
+    """An array a caller (or onnx's numpy_helper) gave, as a CPU tensor that owns or safely shares its
+    memory: 0-d stays 0-d, ml_dtypes' bfloat16 becomes float32 (torch cannot read it)."""
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        a = a.astype(np.float32)
+    return torch.from_numpy(a if a.flags.writeable and a.flags.c_contiguous else a.copy())
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A result for a numpy caller (bf16 results come back as float32: numpy has no bfloat16)."""
     t = t.detach().cpu()

@@ -16,12 +16,11 @@ from collections import ChainMap
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from sextant.errors import SextantError, UnsupportedOp, UnsupportedOpError
 from sextant.frontend.lowerings import Unsupported
-from sextant.frontend.onnx.dtypes import from_onnx, onnx_type_name, tensor_from_proto, unsupported_dtype
+from sextant.frontend.onnx.dtypes import from_numpy, from_onnx, onnx_type_name, tensor_from_proto, unsupported_dtype
 from sextant.frontend.onnx.registry import ONNX_OPS, NeedsValue, OnnxContext
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.ir import Graph, InputLeaf, Node
@@ -108,11 +107,11 @@ def _input_shape(vi: Any, given: Mapping[str, Sequence[int]]) -> tuple[int, ...]
     return tuple(dims)
 
 
-def _as_tensor(v: Any) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v.cpu()
-    a = np.asarray(v)
-    return torch.from_numpy(a.astype(np.float32) if a.dtype.name == "bfloat16" else a.copy())
+def graph_inputs(model: Any) -> list[Any]:
+    """The model's real inputs (ValueInfoProtos, in order): ``graph.input`` minus the initializers
+    older exporters list there too."""
+    init = {t.name for t in model.graph.initializer}
+    return [vi for vi in model.graph.input if vi.name not in init]
 
 
 def _graph_name(model: Any, name: str | None) -> str:
@@ -131,13 +130,12 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
     opset = opset_version(model)
     g = model.graph
     given = dict(input_shapes or {})
-    init_names = {t.name for t in g.initializer}
-    graph_inputs = [vi for vi in g.input if vi.name not in init_names]
-    fixed = {k: _as_tensor(v) for k, v in (constant_inputs or {}).items()}
-    unknown = (set(given) | set(fixed)) - {vi.name for vi in graph_inputs}
+    inputs = graph_inputs(model)
+    fixed = {k: v.cpu() if isinstance(v, torch.Tensor) else from_numpy(v) for k, v in (constant_inputs or {}).items()}
+    unknown = (set(given) | set(fixed)) - {vi.name for vi in inputs}
     if unknown:
         raise OnnxImportError(f"input_shapes/constant_inputs name {sorted(unknown)}, which are not inputs of the model "
-                              f"(inputs: {[vi.name for vi in graph_inputs]})")
+                              f"(inputs: {[vi.name for vi in inputs]})")
     b = GraphBuilder(_graph_name(model, name))
     problems: list[UnsupportedOp] = []
     env: dict[str, Node | None] = {"": None}
@@ -152,7 +150,7 @@ def import_onnx(model: OnnxModel, input_shapes: Mapping[str, Sequence[int]] | No
             continue
         env[t.name] = b.param(t.name, tensor_from_proto(t))
     leaves = []
-    for vi in graph_inputs:
+    for vi in inputs:
         if vi.type.WhichOneof("value") != "tensor_type":
             problem("<input>", f"input {vi.name!r}", f"a {vi.type.WhichOneof('value')} input (only tensors)")
             continue
@@ -273,11 +271,7 @@ def translate_subgraph(b: GraphBuilder, graph: Any, inputs: Sequence[Node | None
     for t in graph.initializer:
         if from_onnx(t.data_type) is None:
             raise Unsupported(f"body {graph.name!r}: initializer {t.name!r}: {unsupported_dtype(t.data_type)}")
-        key, k = f"{prefix}{t.name}", 0
-        while key in b.params:
-            k += 1
-            key = f"{prefix}{t.name}.{k}"
-        local[t.name] = b.param(key, tensor_from_proto(t))
+        local[t.name] = b.param(f"{prefix}{t.name}", tensor_from_proto(t))  # unrolled copies get .1, .2, ...
     env: ChainMap[str, Node | None] = ChainMap(local, outer)  # type: ignore[arg-type]
     problems: list[UnsupportedOp] = []
     needs: set[str] = set()

@@ -105,12 +105,7 @@ class OnnxContext:
             return self.b.full(0, tuple(t.shape), dtype)
         if t.numel() == 1 or bool((flat == flat[0]).all()):
             return self.b.full(flat[0].item(), tuple(t.shape), dtype)
-        base = f"onnx.{self.node.name or self.op_type}.{name}"
-        key, k = base, 0
-        while key in self.b.params:
-            k += 1
-            key = f"{base}.{k}"
-        return self.b.param(key, t)
+        return self.b.param(f"onnx.{self.node.name or self.op_type}.{name}", t)
 
     # -- reuse of the ATen lowerings -----------------------------------------------------------
     def aten(self, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
