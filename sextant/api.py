@@ -59,19 +59,12 @@ def compile(  # mirrors torch.compile
         args = (args,)
     if target is None:
         target = default_target(args, kwargs)
-    if target not in TARGETS:
-        if target in PLANNED_TARGETS:
-            raise ValueError(f"target {target!r} is not implemented yet; available: {', '.join(TARGETS)}")
-        raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-    if target == "cuda":  # fail before the slow stages when there is no GPU or no cuda-python
-        from sextant.runtime.cuda import require_cuda
-
-        require_cuda()
+    _check_target(target)
     from sextant.runtime import compile_cache
 
     k = None
     if cache and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
-        with (progress or (lambda _: contextlib.nullcontext()))("cache"):
+        with _steps(progress)("cache"):
             k = compile_cache.key(module, args, kwargs, target, arch, pipeline)
             hit = compile_cache.lookup(k) if k else None
         if hit is not None:
@@ -81,6 +74,22 @@ def compile(  # mirrors torch.compile
     if k:
         compile_cache.store(k, compiled)
     return compiled
+
+
+def _check_target(target: str) -> None:
+    """A known target; for ``cuda``, fail before the slow stages when there is no GPU or no cuda-python."""
+    if target not in TARGETS:
+        if target in PLANNED_TARGETS:
+            raise ValueError(f"target {target!r} is not implemented yet; available: {', '.join(TARGETS)}")
+        raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
+    if target == "cuda":
+        from sextant.runtime.cuda import require_cuda
+
+        require_cuda()
+
+
+def _steps(progress: StageHook | None) -> StageHook:
+    return progress or (lambda _: contextlib.nullcontext())
 
 
 def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:
@@ -95,7 +104,7 @@ def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:
 def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,
              arch: str | None, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
              progress: StageHook | None) -> CompiledModule:
-    step = progress or (lambda _: contextlib.nullcontext())
+    step = _steps(progress)
     with step("capture"):
         captured = capture(module, args, kwargs)
     return compile_graph(captured, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
@@ -112,9 +121,8 @@ def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = No
     """
     from sextant.graph.passes import run_pipeline
 
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-    step = progress or (lambda _: contextlib.nullcontext())
+    _check_target(target)
+    step = _steps(progress)
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     stages: dict[str, Any] = {"captured": captured}
@@ -222,13 +230,8 @@ def compile_onnx(  # the ONNX frontend's entry point; everything after the impor
     """
     from sextant.frontend.onnx import import_onnx
 
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; available: {', '.join(TARGETS)}")
-    if target == "cuda":
-        from sextant.runtime.cuda import require_cuda
-
-        require_cuda()
-    step = progress or (lambda _: contextlib.nullcontext())
+    _check_target(target)
+    step = _steps(progress)
     with gc_paused():
         with step("onnx-import"):
             graph = import_onnx(model, input_shapes, constant_inputs=constant_inputs)

@@ -55,11 +55,6 @@ class Stats:
 STATS = Stats()
 
 
-def _device_target(example_inputs: Sequence[Any]) -> str:
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    return "cuda" if "cuda" in devices else "cpu"
-
-
 def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
@@ -77,10 +72,11 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     True: run a graph sextant cannot compile eagerly; False: raise).
     """
     import sextant
+    from sextant.api import default_target
     from sextant.errors import SextantError
 
     opts = _check_options(options)
-    target = opts.get("target") or _device_target(example_inputs)
+    target = opts.get("target") or default_target(tuple(example_inputs))
     nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
 
     def fall_back(reason: str) -> Callable[..., Any]:
