@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes.util
 import functools
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,7 +36,7 @@ from sextant.codegen.errors import CodegenError
 from sextant.codegen.lane_builder import LaneBuilder
 from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
 from sextant.codegen.lowering import LoweringBase
-from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, build_objects, cache_key, optimize
+from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, build_objects, cache_key, optimize, source_fingerprint
 from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import (
@@ -137,13 +136,8 @@ def _lowering_fingerprint() -> str:
     package, the kernel IR, the graph IR's op and dtype definitions): a cached object keyed by
     the kernel IR is stale as soon as any of it changes."""
     root = Path(__file__).resolve().parents[1]
-    files = sorted([*root.joinpath("codegen").glob("*.py"), *root.joinpath("kernel").glob("*.py"),
-                    root / "graph" / "ops.py", root / "graph" / "dtypes.py"])
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
+    return source_fingerprint([*root.joinpath("codegen").glob("*.py"), *root.joinpath("kernel").glob("*.py"),
+                               root / "graph" / "ops.py", root / "graph" / "dtypes.py"])
 
 
 def kernel_key(kernel: Kernel, tm: llvm.TargetMachine, options: PassOptions, vector_bytes: int) -> str:

@@ -68,6 +68,16 @@ def cache_dir() -> Path | None:
     return Path(base) / "sextant"
 
 
+def source_fingerprint(files: Sequence[Path]) -> str:
+    """A hash of source files (names and contents): what cache keys include so that entries go stale
+    as soon as the code that produced them changes."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def cache_key(text: str, tm: llvm.TargetMachine, options: PassOptions) -> str:
     """The key of an object compiled from LLVM IR ``text`` (the toolchain, host CPU and options too)."""
     h = hashlib.sha256()

@@ -56,12 +56,9 @@ def cache_root() -> Path | None:
 @cache
 def _sextant_fingerprint() -> str:
     """A hash of sextant's own source: any change to the compiler invalidates every entry."""
-    h = hashlib.sha256()
-    pkg = Path(__file__).resolve().parents[1]
-    for path in sorted(pkg.rglob("*.py")):
-        h.update(str(path.relative_to(pkg)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    from sextant.codegen.objects import source_fingerprint
+
+    return source_fingerprint(list(Path(__file__).resolve().parents[1].rglob("*.py")))
 
 
 @cache
