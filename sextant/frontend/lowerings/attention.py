@@ -30,13 +30,14 @@ KEPT_WHOLE = (
 """Ops removed from torch's decomposition table: they reach translation as one node each."""
 
 
-def _repeat_heads(b: GraphBuilder, x: Node, heads: int) -> Node:
+def repeat_heads(b: GraphBuilder, x: Node, heads: int) -> Node:
     """[..., Hkv, S, E] → [..., heads, S, E], query head h reading kv head h // (heads / Hkv)."""
     *lead, hkv, s, e = x.shape
     if hkv == heads:
         return x
     if heads % hkv:
-        raise Unsupported(f"enable_gqa with {heads} query heads and {hkv} key/value heads (not a multiple)")
+        raise Unsupported(f"grouped-query attention with {heads} query heads and {hkv} key/value heads "
+                          "(not a multiple)")
     rep = heads // hkv
     x = b.expand(b.reshape(x, (*lead, hkv, 1, s, e)), (*lead, hkv, rep, s, e))
     return b.reshape(x, (*lead, heads, s, e))
@@ -55,7 +56,7 @@ def attention(b: GraphBuilder, q: Node, k: Node, v: Node, mask: Node | None, dro
     t = opmath(q.dtype)
     q, k, v = b.cast(q, t), b.cast(k, t), b.cast(v, t)
     if gqa and q.type.rank >= 3:
-        k, v = _repeat_heads(b, k, q.shape[-3]), _repeat_heads(b, v, q.shape[-3])
+        k, v = repeat_heads(b, k, q.shape[-3]), repeat_heads(b, v, q.shape[-3])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     scores = b.matmul(q, b.transpose(k, -2, -1))
     if scale != 1.0:

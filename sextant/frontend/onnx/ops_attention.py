@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 from sextant.frontend.lowerings import Unsupported
+from sextant.frontend.lowerings.attention import repeat_heads
+from sextant.frontend.lowerings.reductions import softmax_terms
 from sextant.frontend.onnx.dtypes import from_onnx
 from sextant.frontend.onnx.registry import OnnxContext, onnx_op
 from sextant.graph.builder import GraphBuilder
@@ -26,20 +28,10 @@ def _heads(b: GraphBuilder, x: Node, heads: int) -> Node:
     return b.permute(b.reshape(x, (bs, s, heads, hidden // heads)), (0, 2, 1, 3))
 
 
-def _repeat_kv(b: GraphBuilder, x: Node, heads: int) -> Node:
-    """[B, Hkv, S, E] → [B, heads, S, E], query head h reading kv head h // (heads / Hkv)."""
-    bs, hkv, s, e = x.shape
-    if hkv == heads:
-        return x
-    if heads % hkv:
-        raise Unsupported(f"Attention: {heads} query heads and {hkv} key/value heads (not a multiple)")
-    x = b.expand(b.reshape(x, (bs, hkv, 1, s, e)), (bs, hkv, heads // hkv, s, e))
-    return b.reshape(x, (bs, heads, s, e))
-
-
 def _softmax(b: GraphBuilder, x: Node) -> Node:
-    e = b.unary("exp", b.sub(x, b.expand(b.reduce("max", x, [-1]), x.shape)))
-    return b.div(e, b.expand(b.reduce("sum", e, [-1]), e.shape))
+    """Over the last axis, in the one form every lowering emits (the scheduler's patterns match it)."""
+    _, _, e, s = softmax_terms(b, x, x.type.rank - 1)
+    return b.div(e, b.expand(s, e.shape))
 
 
 @onnx_op("Attention")
@@ -79,7 +71,7 @@ def _attention(ctx: OnnxContext, q: Node, k: Node, v: Node, mask: Node | None = 
         pad_bias = b.where(keep, b.full(0, keep.shape, dtype), -math.inf)
         bias = pad_bias if bias is None else b.add(*b.broadcast(bias, pad_bias))
     heads = q.shape[1]
-    k, v = _repeat_kv(b, k, heads), _repeat_kv(b, v, heads)
+    k, v = repeat_heads(b, k, heads), repeat_heads(b, v, heads)
     s = math.sqrt(scale)
     scores = b.matmul(b.mul(q, s), b.transpose(b.mul(k, s), 2, 3))
     softcap = float(ctx.attr("softcap", 0.0))
