@@ -14,7 +14,23 @@ import torch
 from sextant.codegen import compile_kernels, emit_module, llvm_cpu
 from sextant.codegen.lanes import plan_lanes
 from sextant.graph.dtypes import DType
-from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, Kernel, Load, Select, Store, Unary, Var, c
+from sextant.kernel.ir import (
+    Assign,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    For,
+    Kernel,
+    Load,
+    Select,
+    Store,
+    Unary,
+    Var,
+    add,
+    c,
+    mul,
+)
 
 F32, I32, BOOL = DType.f32, DType.i32, DType.bool
 U = Var("u")
@@ -24,14 +40,6 @@ def f(v: float) -> Const:
     return Const(v, F32)
 
 
-def iadd(a: Expr, b: Expr) -> Expr:
-    return Binary("add", a, b, I32)
-
-
-def imul(a: Expr, b: Expr) -> Expr:
-    return Binary("mul", a, b, I32)
-
-
 def unrolled(body: tuple, n: int = 32, start: int = 0) -> For:
     return For(U, c(start), c(start + n), 1, body, unroll=True)
 
@@ -39,8 +47,8 @@ def unrolled(body: tuple, n: int = 32, start: int = 0) -> For:
 # -- the analysis ---------------------------------------------------------------------------------
 def test_gemm_column_loop_is_planned_as_vectors():
     b = Var("b")
-    body = (Assign(b, Load("w", iadd(imul(Var("k"), c(64)), U), F32)),
-            *[Store("acc", iadd(U, c(32 * r)), Binary("add", Load("acc", iadd(U, c(32 * r)), F32),
+    body = (Assign(b, Load("w", add(mul(Var("k"), c(64)), U), F32)),
+            *[Store("acc", add(U, c(32 * r)), Binary("add", Load("acc", add(U, c(32 * r)), F32),
                                                       Binary("mul", Var(f"a{r}", F32), b, F32), F32))
               for r in range(4)])
     plan = plan_lanes(unrolled(body), 16)
@@ -52,18 +60,18 @@ def test_gemm_column_loop_is_planned_as_vectors():
     ("register carried between iterations", (Assign(Var("s", F32), Binary("add", Var("s", F32),
                                                                           Load("x", U, F32), F32)),)),
     ("store to one element from every lane", (Store("y", c(0), Load("x", U, F32)),)),
-    ("strided store", (Store("y", imul(U, c(2)), Load("x", U, F32)),)),
-    ("reads what the previous iteration wrote", (Store("a", iadd(U, c(1)), Load("a", U, F32)),)),
-    ("distance unknown", (Store("a", U, Load("a", iadd(U, Var("k")), F32)),)),
+    ("strided store", (Store("y", mul(U, c(2)), Load("x", U, F32)),)),
+    ("reads what the previous iteration wrote", (Store("a", add(U, c(1)), Load("a", U, F32)),)),
+    ("distance unknown", (Store("a", U, Load("a", add(U, Var("k")), F32)),)),
     ("lane-dependent condition guards a load", (
-        Store("y", U, Select(Binary("lt", U, Var("n"), BOOL), Load("x", iadd(U, c(100)), F32), f(0.0), F32)),)),
+        Store("y", U, Select(Binary("lt", U, Var("n"), BOOL), Load("x", add(U, c(100)), F32), f(0.0), F32)),)),
 ])
 def test_dependent_or_unsafe_loops_stay_scalar(why, body):
     assert plan_lanes(unrolled(body), 16) is None, why
 
 
 def test_accesses_a_trip_count_apart_are_independent():
-    body = (Store("a", iadd(U, c(32)), Binary("add", Load("a", U, F32), Load("a", iadd(U, c(32)), F32), F32)),)
+    body = (Store("a", add(U, c(32)), Binary("add", Load("a", U, F32), Load("a", add(U, c(32)), F32), F32)),)
     assert plan_lanes(unrolled(body), 16) is not None
 
 
@@ -107,9 +115,9 @@ def test_gemm_tile_in_lanes_matches_torch(monkeypatch):
     acc, b, kv = Buffer("acc", F32, m_ * n_, "local"), Var("b", F32), Var("k")
     a = [Var(f"a{r}", F32) for r in range(m_)]
     kstep = For(kv, c(0), c(k_), 1, (
-        *[Assign(a[r], Load("A", iadd(imul(c(r), c(k_)), kv), F32)) for r in range(m_)],
-        unrolled((Assign(b, Load("B", iadd(imul(kv, c(n_)), U), F32)),
-                  *[Store("acc", iadd(U, c(n_ * r)), Binary("add", Load("acc", iadd(U, c(n_ * r)), F32),
+        *[Assign(a[r], Load("A", add(mul(c(r), c(k_)), kv), F32)) for r in range(m_)],
+        unrolled((Assign(b, Load("B", add(mul(kv, c(n_)), U), F32)),
+                  *[Store("acc", add(U, c(n_ * r)), Binary("add", Load("acc", add(U, c(n_ * r)), F32),
                                                             Binary("mul", a[r], b, F32), F32)) for r in range(m_)]),
                  n_),
     ))
@@ -125,14 +133,14 @@ def test_gemm_tile_in_lanes_matches_torch(monkeypatch):
 
 def test_math_casts_gathers_and_selects_in_lanes(monkeypatch):
     n = 32
-    x, g, t = Load("x", U, F32), Load("x", imul(U, c(2)), F32), Var("t", F32)
+    x, g, t = Load("x", U, F32), Load("x", mul(U, c(2)), F32), Var("t", F32)
     flag = Var("flag", BOOL)
     body = (
         Assign(t, Unary("tanh", Binary("add", Unary("exp", x, F32), g, F32), F32)),  # a gather: stride 2
         Store("y", U, Binary("maximum", Unary("erf", t, F32), Cast(Load("h", U, DType.f16), F32), F32)),
         Store("i", U, Binary("floordiv", Load("j", U, I32), c(3), I32)),
         Store("m", U, Binary("gt", x, f(0.0), BOOL)),
-        Store("z", U, Select(flag, Load("x", iadd(U, c(n)), F32), f(-1.0), F32)),  # one condition: one arm runs
+        Store("z", U, Select(flag, Load("x", add(U, c(n)), F32), f(-1.0), F32)),  # one condition: one arm runs
         Store("bf", U, Cast(x, DType.bf16)),
     )
     params = (Buffer("x", F32, 2 * n), Buffer("h", DType.f16, n), Buffer("j", I32, n), Buffer("y", F32, n, role="out"),
