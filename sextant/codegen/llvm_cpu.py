@@ -32,6 +32,7 @@ from pathlib import Path
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from sextant.codegen import cpu_tensor_core as tc
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.lane_builder import LaneBuilder
 from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
@@ -41,6 +42,10 @@ from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_e
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import (
     Item,
+    LdmRead,
+    LdmStage,
+    MmaCompute,
+    MmaStage,
     Phase,
     PhaseStmt,
     SimtPlan,
@@ -57,6 +62,9 @@ from sextant.kernel.ir import (
     Assign,
     Buffer,
     Const,
+    CpAsync,
+    CpAsyncCommit,
+    CpAsyncWait,
     Expr,
     For,
     Kernel,
@@ -276,7 +284,8 @@ class _KernelLowering(LoweringBase):
             self.buffers[loc.name] = (loc, self._array(mem_type(loc.dtype), loc.size * (T if per_thread else 1),
                                                        f"local.{loc.name}"))
         for slot_name, dt in plan.exchanges.items():
-            self.buffers[slot_name] = (Buffer(slot_name, dt, T, "local"), self._array(mem_type(dt), T, slot_name))
+            n = plan.exchange_sizes.get(slot_name, T)
+            self.buffers[slot_name] = (Buffer(slot_name, dt, n, "local"), self._array(mem_type(dt), n, slot_name))
         for name, dt in plan.var_types.items():
             n = T if name in plan.per_thread_vars else 1
             self.slots[name] = self._array(reg_type(dt), n, f"r.{name}")
@@ -451,6 +460,19 @@ class _KernelLowering(LoweringBase):
                 self.checker.xchg_store(s.slot)
         elif isinstance(s, XchgReduce):
             self._warp_reduce(s)
+        elif isinstance(s, MmaStage):
+            tc.mma_stage(self, s)
+        elif isinstance(s, MmaCompute):
+            tc.mma_compute(self, s)
+        elif isinstance(s, LdmStage):
+            tc.ldm_stage(self, s)
+        elif isinstance(s, LdmRead):
+            tc.ldm_read(self, s)
+        elif isinstance(s, CpAsync):
+            tc.cp_async(self, s)
+        elif isinstance(s, CpAsyncCommit | CpAsyncWait):
+            if self.checker is not None:
+                self.checker.async_group(s)
         else:
             raise self._fail(f"unexpected statement {type(s).__name__} inside a phase")
 
@@ -466,7 +488,7 @@ class _KernelLowering(LoweringBase):
         if s.op in ("sum", "prod") and dt == DType.bool:
             raise self._fail(f"WarpReduce {s.op} of bool")
         if self.checker is not None:
-            self.checker.warp_converged(s)
+            self.checker.warp_converged(s.slot, s.var.name)
         base = b.and_(self.ltid, self._i32(~(w - 1)))
 
         def lane(i: int) -> tuple[ir.Value, ir.Value | None]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from sextant.codegen import nvptx_tensor_core as tc
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.libdevice import NVPTX_MATH, link_libdevice
 from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
@@ -38,8 +39,13 @@ from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Barrier,
     Buffer,
+    CpAsync,
+    CpAsyncCommit,
+    CpAsyncWait,
     Expr,
     Kernel,
+    LdMatrix,
+    Mma,
     Special,
     Stmt,
     Var,
@@ -113,8 +119,9 @@ def nvptx_target_machine(arch: str = DEFAULT_ARCH, ptx_isa: int | None = None) -
     return target.create_target_machine(cpu=arch, features=ptx_features(arch, ptx_isa), opt=3)
 
 
-def emit_llvm(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None) -> ir.Module:
-    """The unoptimised NVPTX module holding every kernel (libdevice not linked yet)."""
+def emit_llvm(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None, arch: str = DEFAULT_ARCH) -> ir.Module:
+    """The unoptimised NVPTX module holding every kernel (libdevice not linked yet); ``arch`` is
+    what ``tm`` targets (tensor-core statements check it: NVPTX aborts on what it cannot select)."""
     tm = tm or nvptx_target_machine()
     module = ir.Module("sextant_nvptx")
     module.triple = TRIPLE
@@ -129,7 +136,7 @@ def emit_llvm(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None) -
         if k.name in seen:
             raise CodegenError(f"two kernels are named {k.name!r}")
         seen.add(k.name)
-        _Lowering(module, k).emit()
+        _Lowering(module, k, arch).emit()
     return module
 
 
@@ -140,7 +147,7 @@ def emit_ptx(kernels: Sequence[Kernel], arch: str = DEFAULT_ARCH, ptx_isa: int |
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     tm = nvptx_target_machine(arch, ptx_isa)
-    module = emit_llvm(kernels, tm)
+    module = emit_llvm(kernels, tm, arch)
     text = str(module)
     timings["lower"] = time.perf_counter() - t0
     names = {k.name for k in kernels}
@@ -212,9 +219,10 @@ def _shared_bytes(k: Kernel) -> int:
 
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _Lowering(LoweringBase):
-    def __init__(self, module: ir.Module, kernel: Kernel):
+    def __init__(self, module: ir.Module, kernel: Kernel, arch: str = DEFAULT_ARCH):
         self.module = module
         self.kernel = kernel
+        self.arch = arch
         gptr = ir.PointerType(addrspace=GLOBAL)
         self.fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [gptr] * len(kernel.params)), kernel.name)
         self.fn.calling_convention = "ptx_kernel"
@@ -299,6 +307,14 @@ class _Lowering(LoweringBase):
             self._barrier()
         elif isinstance(s, WarpReduce):
             self._warp_reduce(s)
+        elif isinstance(s, Mma):
+            tc.mma(self, s)
+        elif isinstance(s, LdMatrix):
+            tc.ldmatrix(self, s)
+        elif isinstance(s, CpAsync):
+            tc.cp_async(self, s)
+        elif isinstance(s, CpAsyncCommit | CpAsyncWait):
+            tc.cp_async_group(self, s)
         else:
             raise self._fail(f"unknown statement {type(s).__name__}")
 

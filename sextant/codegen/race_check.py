@@ -49,7 +49,6 @@ from sextant.runtime.cpu import CpuModule
 
 if TYPE_CHECKING:
     from sextant.codegen.llvm_cpu import _KernelLowering
-    from sextant.codegen.simt import XchgReduce
 
 ENV_VAR = "SEXTANT_CHECK_RACES"
 WARP = 32  # lanes that must converge on a WarpReduce (the PTX lowering's shfl.sync member mask)
@@ -175,21 +174,25 @@ class KernelChecker:
         p = b.gep(self.stamps[slot], [self.low.ltid], inbounds=True, source_etype=I32)
         b.store(b.load(self.round, typ=I32), p)
 
-    def warp_converged(self, s: XchgReduce) -> None:
-        """Every existing lane of this thread's warp stored its operand in the previous phase."""
+    def warp_converged(self, slot: str, what: str) -> None:
+        """Every existing lane of this thread's warp stored its operand (in exchange ``slot``) in
+        the previous phase; ``what`` names the warp operation in the report."""
         low, b, T = self.low, self.low.b, self.low.kernel.threads_per_block
         warp_id = len(self.info.warps)
-        self.info.warps.append(s.var.name)
+        self.info.warps.append(what)
         expected = b.sub(b.load(self.round, typ=I32), self._c(1))
         first = b.and_(low.ltid, self._c(~(WARP - 1)))
         stop = b.select(b.icmp_signed("<", b.add(first, self._c(WARP)), self._c(T)),
                         b.add(first, self._c(WARP)), self._c(T))
 
         def lane(i: ir.Value) -> None:
-            stamp = b.load(b.gep(self.stamps[s.slot], [i], inbounds=True, source_etype=I32), typ=I32)
+            stamp = b.load(b.gep(self.stamps[slot], [i], inbounds=True, source_etype=I32), typ=I32)
             self._record(b.icmp_signed("!=", stamp, expected), DIVERGENT, warp_id, i, low.ltid, i)
 
-        low._loop(first, stop, 1, lane, f"check.{s.slot}")
+        low._loop(first, stop, 1, lane, f"check.{slot}")
+
+    def async_group(self, s: object) -> None:
+        """``cp.async`` commit/wait: nothing is checked yet (the copies complete at once)."""
 
 
 def report_symbol(kernel: str) -> str:
@@ -316,10 +319,12 @@ def describe(info: CheckInfo, report: list[int]) -> KernelCheckError:
     where = f"kernel {k.name}, block {blk}"
     if kind == DIVERGENT:
         var = info.warps[buf]
+        op = var if " " in var else None  # an Mma/LdMatrix ("mma acc"); else a WarpReduce's register
+        did = f"runs {op}" if op else f"reduces {var} with a WarpReduce"
         return DivergentWarpError(
-            f"{where}: divergent warp: thread {ta} reduces {var} with a WarpReduce that lane {elem % WARP} of its "
-            f"warp (thread {tb}) did not reach; every lane of the warp must take part (a WarpReduce under a condition "
-            "that differs within a warp)", k.name, var, elem, (ta, tb), blk)
+            f"{where}: divergent warp: thread {ta} {did} that lane {elem % WARP} of its warp (thread {tb}) did not "
+            f"reach; every lane of the warp must take part (a {'warp-level matrix operation' if op else 'WarpReduce'} "
+            "under a condition that differs within a warp)", k.name, var, elem, (ta, tb), blk)
     name = info.buffers[buf]
     if kind in (OOB_LOAD, OOB_STORE):
         size = k.buffer(name).size

@@ -21,6 +21,13 @@ sequence of **phases**, and each phase is wrapped in its own loop over the block
   phase stay scalars. ``local`` buffers used by more than one phase, or in a phase that runs
   repeatedly inside a uniform loop, become per-thread arrays too.
 
+* An ``Mma`` or ``LdMatrix`` (a warp computing together) is a cut as well: the phase before it
+  ends with each lane publishing its operands (:class:`MmaStage` scatters its A/B fragments into
+  per-warp matrices by the PTX ISA's layout; :class:`LdmStage` stores its row address), and the
+  next phase starts with each lane computing what the hardware would give it (:class:`MmaCompute`
+  — its D fragment from the warp's matrices and its own C; :class:`LdmRead` — its elements of
+  the rows its warp's lanes addressed). ``cp.async`` copies complete at once on the CPU.
+
 * Barriers leave no trace in the plan unless asked (``mark_barriers``): then a :class:`Sync`
   marks each, because the race checker (``race_check``) must tell a barrier, which orders
   shared memory, from a phase boundary cut by a ``WarpReduce``, which does not.
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 
 from sextant.codegen.errors import CodegenError
 from sextant.graph.dtypes import DType
+from sextant.kernel.fragments import WARP, MmaShape, mma_shape
 from sextant.kernel.ir import (
     Assign,
     Barrier,
@@ -44,7 +52,9 @@ from sextant.kernel.ir import (
     For,
     If,
     Kernel,
+    LdMatrix,
     Load,
+    Mma,
     Select,
     Special,
     Stmt,
@@ -52,6 +62,7 @@ from sextant.kernel.ir import (
     Unary,
     Var,
     WarpReduce,
+    stmt_operands,
 )
 
 WARP_OPS = ("sum", "max", "min", "prod")
@@ -77,7 +88,42 @@ class XchgReduce:
     slot: str
 
 
-PhaseStmt = Stmt | XchgStore | XchgReduce
+@dataclass(frozen=True, slots=True)
+class MmaStage:
+    """End of a phase: this lane scatters its A and B fragments of ``mma`` into its warp's
+    ``slot_a`` (M×K) and ``slot_b`` (K×N) matrices."""
+
+    mma: Mma
+    slot_a: str
+    slot_b: str
+
+
+@dataclass(frozen=True, slots=True)
+class MmaCompute:
+    """Start of a phase: this lane's D fragment = its warp's A·B (from the slots) + its own C."""
+
+    mma: Mma
+    slot_a: str
+    slot_b: str
+
+
+@dataclass(frozen=True, slots=True)
+class LdmStage:
+    """End of a phase: this lane's ``ldmatrix`` row address goes to ``slot[linear tid]``."""
+
+    ldm: LdMatrix
+    slot: str
+
+
+@dataclass(frozen=True, slots=True)
+class LdmRead:
+    """Start of a phase: this lane reads its elements of the rows its warp's lanes addressed."""
+
+    ldm: LdMatrix
+    slot: str
+
+
+PhaseStmt = Stmt | XchgStore | XchgReduce | MmaStage | MmaCompute | LdmStage | LdmRead
 
 
 @dataclass
@@ -124,7 +170,8 @@ class SimtPlan:
     per_thread_vars: frozenset[str] = frozenset()  # registers live across a phase boundary
     uniform_loop_vars: frozenset[str] = frozenset()  # loop variables of UniformFor loops
     per_thread_locals: frozenset[str] = frozenset()  # local buffers that need one copy per thread
-    exchanges: dict[str, DType] = field(default_factory=dict)  # WarpReduce exchange arrays
+    exchanges: dict[str, DType] = field(default_factory=dict)  # WarpReduce/Mma/LdMatrix exchange arrays
+    exchange_sizes: dict[str, int] = field(default_factory=dict)  # elements, where not one per thread
 
 
 # -- expression helpers -----------------------------------------------------------------------
@@ -168,7 +215,15 @@ def stmt_exprs(s: PhaseStmt) -> tuple[Expr, ...]:
         return (s.cond,)
     if isinstance(s, WarpReduce | XchgStore):
         return (s.value,)
-    return ()
+    if isinstance(s, MmaStage):
+        return (s.mma.a_off, s.mma.b_off)
+    if isinstance(s, MmaCompute):
+        return (s.mma.c_off, s.mma.d_off)
+    if isinstance(s, LdmStage):
+        return (s.ldm.index,)
+    if isinstance(s, LdmRead):
+        return (s.ldm.dst_off,)
+    return stmt_operands(s)  # type: ignore[arg-type]
 
 
 def iter_stmts(stmts: Sequence[Stmt]) -> Iterator[Stmt]:
@@ -182,7 +237,7 @@ def iter_stmts(stmts: Sequence[Stmt]) -> Iterator[Stmt]:
 
 
 def has_sync(s: Stmt) -> bool:
-    if isinstance(s, Barrier | WarpReduce):
+    if isinstance(s, Barrier | WarpReduce | Mma | LdMatrix):
         return True
     if isinstance(s, For):
         return any(has_sync(x) for x in s.body)
@@ -280,7 +335,8 @@ def plan_kernel(kernel: Kernel, *, mark_barriers: bool = False) -> SimtPlan:
     )
     locals_ = {b.name for b in kernel.local}
     return SimtPlan(threads, items, var_types | planner.extra_vars, frozenset(live.cross - planner.uniform_loop_vars),
-                    frozenset(planner.uniform_loop_vars), per_thread_locals & locals_, planner.exchanges)
+                    frozenset(planner.uniform_loop_vars), per_thread_locals & locals_, planner.exchanges,
+                    planner.exchange_sizes)
 
 
 def register_types(kernel: Kernel, body: Sequence[Stmt]) -> dict[str, DType]:
@@ -315,6 +371,7 @@ class _Planner:
         self.uniform = uniform
         self.uniform_loop_vars: set[str] = set()
         self.exchanges: dict[str, DType] = {}
+        self.exchange_sizes: dict[str, int] = {}
         self.extra_vars: dict[str, DType] = {}  # predicates saved across phases
         self._phases = 0
 
@@ -348,6 +405,22 @@ class _Planner:
                 cur.append(XchgStore(slot, s.value))
                 flush()
                 cur.append(XchgReduce(s.var, s.op, s.width, slot))
+            elif isinstance(s, Mma):
+                shape = self._mma_shape(s)
+                slot_a, slot_b = f"xchg{len(self.exchanges)}", f"xchg{len(self.exchanges) + 1}"
+                warps = self.kernel.threads_per_block // WARP
+                self.exchanges[slot_a] = self.exchanges[slot_b] = self.kernel.buffer(s.a).dtype
+                self.exchange_sizes[slot_a] = warps * shape.m * shape.k
+                self.exchange_sizes[slot_b] = warps * shape.k * shape.n
+                cur.append(MmaStage(s, slot_a, slot_b))
+                flush()
+                cur.append(MmaCompute(s, slot_a, slot_b))
+            elif isinstance(s, LdMatrix):
+                slot = f"xchg{len(self.exchanges)}"
+                self.exchanges[slot] = DType.i32
+                cur.append(LdmStage(s, slot))
+                flush()
+                cur.append(LdmRead(s, slot))
             elif isinstance(s, For):
                 for bound in (s.start, s.stop):
                     if not self.uniform.expr(bound):
@@ -383,6 +456,16 @@ class _Planner:
                                    f"under the thread-dependent condition {cond!r} is not supported on the CPU")
             parts.append(it.stmts)
         return parts
+
+    def _mma_shape(self, s: Mma) -> MmaShape:
+        if self.kernel.threads_per_block % WARP:
+            raise CodegenError(f"kernel {self.kernel.name}: an Mma needs full warps, the block has "
+                               f"{self.kernel.threads_per_block} threads")
+        shape = mma_shape(s.shape, self.kernel.buffer(s.a).dtype)
+        if shape is None:
+            raise CodegenError(f"kernel {self.kernel.name}: no mma.sync of shape {s.shape} with "
+                               f"{self.kernel.buffer(s.a).dtype.value} inputs")
+        return shape
 
     def _check_warp(self, s: WarpReduce) -> None:
         if s.op not in WARP_OPS:
@@ -446,6 +529,14 @@ class _Liveness:
                 self._buffer(s.buffer)
             elif isinstance(s, XchgReduce):
                 defined.add(s.var.name)
+            elif isinstance(s, MmaStage):
+                self._buffer(s.mma.a)
+                self._buffer(s.mma.b)
+            elif isinstance(s, MmaCompute):
+                self._buffer(s.mma.c)
+                self._buffer(s.mma.d)
+            elif isinstance(s, LdmRead):
+                self._buffer(s.ldm.dst)
             elif isinstance(s, For):
                 self._stmts(s.body, defined | {s.var.name})
             elif isinstance(s, If):

@@ -16,6 +16,8 @@ math reuses the graph IR's op names and semantics (``exp``, ``maximum``, ``where
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -164,7 +166,99 @@ class WarpReduce:
     width: int = 32
 
 
-Stmt = Union[Assign, Store, For, If, Barrier, WarpReduce]  # noqa: UP007
+# -- tensor-core (warp-collective) and asynchronous-copy statements -----------------------------
+@dataclass(frozen=True, slots=True)
+class Mma:
+    """``d = a · b + c`` for one ``M×N×K`` tile, computed by the 32 lanes of a warp together
+    (PTX ``mma.sync.aligned.m16n8k16.row.col``): each lane holds a *fragment* of every operand —
+    a run of elements of a ``local`` buffer starting at ``*_off`` — laid out as the PTX ISA
+    defines (``sextant.kernel.fragments``). ``a``/``b`` are f16 or bf16 (or f32 read as tf32 for
+    ``m16n8k8``); ``c``/``d`` f32 (or f16 with f16 inputs). Every lane of the warp executes it,
+    never under lane-divergent control flow; offsets are thread-uniform."""
+
+    shape: tuple[int, int, int]  # (M, N, K): (16, 8, 16) or (16, 8, 8)
+    d: str
+    d_off: Expr
+    a: str
+    a_off: Expr
+    b: str
+    b_off: Expr
+    c: str
+    c_off: Expr
+
+
+@dataclass(frozen=True, slots=True)
+class LdMatrix:
+    """``count`` (1, 2, 4) 8×8 matrices of 16-bit elements from ``shared`` memory into
+    fragments, by the warp together (``ldmatrix.sync.aligned.m8n8.x{count}[.trans].b16``):
+    lane ``l < 8·count`` gives, as ``index`` (in elements of ``src``), the start of row
+    ``l % 8`` of matrix ``l // 8``; each lane receives 2 elements of each matrix into
+    ``dst[dst_off + 2j …]`` (row ``l // 4``, columns ``2(l % 4) …``; ``trans``: the transposed
+    matrix). Rows are 16-byte aligned."""
+
+    dst: str
+    dst_off: Expr
+    src: str
+    index: Expr
+    count: int = 4
+    trans: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CpAsync:
+    """Start copying ``count`` elements (4, 8 or 16 bytes, naturally aligned) from global
+    ``src[src_index]`` to shared ``dst[dst_index]`` (``cp.async``); the copy belongs to the
+    thread's current group, and the data may be read only after :class:`CpAsyncWait` (and, by
+    other threads, a :class:`Barrier`). With ``pred`` false nothing is read and zeros are
+    written (``src-size`` 0): the tile tail."""
+
+    dst: str
+    dst_index: Expr
+    src: str
+    src_index: Expr
+    count: int
+    pred: Expr | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CpAsyncCommit:
+    """Close this thread's current group of :class:`CpAsync` copies (``cp.async.commit_group``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpAsyncWait:
+    """Wait until at most ``pending`` of this thread's committed groups are still in flight
+    (``cp.async.wait_group``): the copies of all older groups are then complete."""
+
+    pending: int = 0
+
+
+Stmt = Union[Assign, Store, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit, CpAsyncWait]  # noqa: UP007
+WARP_COLLECTIVE = (WarpReduce, Mma, LdMatrix)  # every lane of the warp executes these together
+ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
+
+
+def stmt_operands(s: Stmt) -> tuple[Expr, ...]:
+    """The expressions a tensor-core or async-copy statement evaluates (offsets, indices, predicate)."""
+    if isinstance(s, Mma):
+        return (s.d_off, s.a_off, s.b_off, s.c_off)
+    if isinstance(s, LdMatrix):
+        return (s.dst_off, s.index)
+    if isinstance(s, CpAsync):
+        return (s.dst_index, s.src_index) + ((s.pred,) if s.pred is not None else ())
+    return ()
+
+
+def map_operands(s: Stmt, fn: Callable[[Expr], Expr]) -> Stmt:
+    """``s`` with ``fn`` applied to each expression :func:`stmt_operands` lists."""
+    if isinstance(s, Mma):
+        return dataclasses.replace(s, d_off=fn(s.d_off), a_off=fn(s.a_off), b_off=fn(s.b_off), c_off=fn(s.c_off))
+    if isinstance(s, LdMatrix):
+        return dataclasses.replace(s, dst_off=fn(s.dst_off), index=fn(s.index))
+    if isinstance(s, CpAsync):
+        return dataclasses.replace(s, dst_index=fn(s.dst_index), src_index=fn(s.src_index),
+                                   pred=None if s.pred is None else fn(s.pred))
+    return s
 
 
 # -- kernels ---------------------------------------------------------------------------------

@@ -28,11 +28,16 @@ from sextant.kernel.ir import (
     Buffer,
     Cast,
     Const,
+    CpAsync,
+    CpAsyncCommit,
+    CpAsyncWait,
     Expr,
     For,
     If,
     Kernel,
+    LdMatrix,
     Load,
+    Mma,
     Select,
     Special,
     Stmt,
@@ -127,7 +132,24 @@ def stmt_header(s: Stmt) -> str:
         return "__syncthreads()"
     if isinstance(s, WarpReduce):
         return f"{s.var.name} = warp_{s.op}({print_expr(s.value)}, width={s.width})"
+    if isinstance(s, Mma):
+        m, n, k = s.shape
+        ops = ", ".join(_ref(b, o) for b, o in ((s.d, s.d_off), (s.a, s.a_off), (s.b, s.b_off), (s.c, s.c_off)))
+        return f"mma_m{m}n{n}k{k}({ops})"
+    if isinstance(s, LdMatrix):
+        return f"ldmatrix_x{s.count}{'_trans' if s.trans else ''}({_ref(s.dst, s.dst_off)}, {_ref(s.src, s.index)})"
+    if isinstance(s, CpAsync):
+        pred = f", {print_expr(s.pred)}" if s.pred is not None else ""
+        return f"cp_async({_ref(s.dst, s.dst_index)}, {_ref(s.src, s.src_index)}, {s.count}{pred})"
+    if isinstance(s, CpAsyncCommit):
+        return "cp_async_commit()"
+    if isinstance(s, CpAsyncWait):
+        return f"cp_async_wait({s.pending})"
     raise TypeError(f"not a kernel statement: {s!r}")
+
+
+def _ref(buffer: str, index: Expr) -> str:
+    return f"&{buffer}[{print_expr(index)}]"
 
 
 def print_stmt(s: Stmt, indent: int = 0) -> list[str]:

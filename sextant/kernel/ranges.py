@@ -32,6 +32,7 @@ import torch
 from sextant.graph.dtypes import DType
 from sextant.graph.reference import _BINARY, _UNARY  # the graph IR's float semantics
 from sextant.kernel.ir import (
+    ASYNC_COPY,
     INDEX,
     Assign,
     Barrier,
@@ -42,7 +43,9 @@ from sextant.kernel.ir import (
     For,
     If,
     Kernel,
+    LdMatrix,
     Load,
+    Mma,
     Select,
     Special,
     Stmt,
@@ -734,7 +737,7 @@ class Ranges:
             t = self.walk(s.then, refine(env, s.cond, True), visit)
             f = self.walk(s.orelse, refine(env, s.cond, False), visit)
             return self.join(t, f)
-        assert isinstance(s, Store | Barrier), s
+        assert isinstance(s, (Store, Barrier, Mma, LdMatrix, *ASYNC_COPY)), s  # no register effect
         return env
 
 

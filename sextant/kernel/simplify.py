@@ -30,6 +30,7 @@ import dataclasses
 
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
+    ASYNC_COPY,
     Assign,
     Barrier,
     Binary,
@@ -39,12 +40,15 @@ from sextant.kernel.ir import (
     For,
     If,
     Kernel,
+    LdMatrix,
     Load,
+    Mma,
     Select,
     Stmt,
     Store,
     Unary,
     WarpReduce,
+    map_operands,
 )
 from sextant.kernel.ranges import (
     CMP_NEGATE,
@@ -481,8 +485,8 @@ def _stmt(s: Stmt, env: Env, ranges: Ranges) -> tuple[list[Stmt], Env | None]:
     if isinstance(s, WarpReduce):
         new = dataclasses.replace(s, value=simp(s.value))
         return [new], ranges.step(new, env)
-    if isinstance(s, Barrier):
-        return [s], env
+    if isinstance(s, (Barrier, Mma, LdMatrix, *ASYNC_COPY)):
+        return [map_operands(s, simp)], env
     if isinstance(s, For):
         loop = dataclasses.replace(s, start=simp(s.start), stop=simp(s.stop))
         if loop_range(loop, env) is False:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ops import BINARY, UNARY, IRTypeError, TensorType, infer_type
+from sextant.kernel.fragments import mma_accumulators, mma_shape
 from sextant.kernel.ir import (
     INDEX,
     Assign,
@@ -40,11 +41,16 @@ from sextant.kernel.ir import (
     Buffer,
     Cast,
     Const,
+    CpAsync,
+    CpAsyncCommit,
+    CpAsyncWait,
     Expr,
     For,
     If,
     Kernel,
+    LdMatrix,
     Load,
+    Mma,
     Select,
     Special,
     Stmt,
@@ -52,6 +58,8 @@ from sextant.kernel.ir import (
     Unary,
     Var,
     WarpReduce,
+    add,
+    stmt_operands,
 )
 from sextant.kernel.printer import print_expr, stmt_header
 from sextant.kernel.ranges import (
@@ -188,6 +196,9 @@ class _Verifier:
                 if s.value.dtype != b.dtype:
                     self.fail(s, f"stores a {s.value.dtype.value} value to {b.dtype.value} buffer {s.buffer!r}")
             return defined
+        if isinstance(s, Mma | LdMatrix | CpAsync | CpAsyncCommit | CpAsyncWait):
+            self.tensor_core(s, defined, control)
+            return defined
         if isinstance(s, Barrier):
             for c in reversed(control):
                 if c.level > UNIFORM:
@@ -238,6 +249,77 @@ class _Verifier:
                 self.fail(s, f"warp reduction under control flow that differs within a warp: `{c.header}` "
                              f"{c.reason}; every lane of the warp must take part")
                 break
+
+    def tensor_core(self, s: Stmt, defined: set[str], control: tuple[_Control, ...]) -> None:
+        """An ``Mma``, ``LdMatrix`` or ``cp.async`` statement: operand buffers, dtypes and shapes;
+        warp-collective ones need full warps, no lane-divergent control and uniform offsets."""
+        assert self.div is not None
+        for e in stmt_operands(s):
+            self.expr(e, s, defined)
+            if not (isinstance(s, CpAsync) and e is s.pred):
+                self.index(e, s)
+        if isinstance(s, CpAsyncWait):
+            if not isinstance(s.pending, int) or s.pending < 0:
+                self.fail(s, f"cp.async wait for {s.pending!r} pending groups (a non-negative integer)")
+            return
+        if not isinstance(s, Mma | LdMatrix | CpAsync):
+            return
+        bufs = {"dst": s.dst, "src": s.src} if not isinstance(s, Mma) else {"d": s.d, "a": s.a, "b": s.b, "c": s.c}
+        found = {}
+        for role, name in bufs.items():
+            b = self.buffers.get(name)
+            if b is None:
+                self.fail(s, f"{role} operand {name!r} is not a buffer of the kernel")
+                return
+            found[role] = b
+        if isinstance(s, CpAsync):
+            d, src = found["dst"], found["src"]
+            if d.space != "shared" or src.space != "global":
+                self.fail(s, f"cp.async copies global memory to shared memory, not {src.space} {src.name!r} to "
+                             f"{d.space} {d.name!r}")
+            if d.dtype != src.dtype:
+                self.fail(s, f"cp.async from {src.dtype.value} {src.name!r} to {d.dtype.value} {d.name!r}")
+            if s.count * d.dtype.itemsize not in (4, 8, 16):
+                self.fail(s, f"cp.async of {s.count} {d.dtype.value} elements is {s.count * d.dtype.itemsize} bytes "
+                             "(4, 8 or 16)")
+            if s.pred is not None and s.pred.dtype != DType.bool:
+                self.fail(s, f"cp.async predicate is {s.pred.dtype.value}, not bool")
+            return
+        if self.k.threads_per_block % WARP:
+            self.fail(s, f"a warp-level matrix operation needs full warps, but the block has "
+                         f"{self.k.threads_per_block} threads")
+        for ctl in reversed(control):
+            if ctl.level > WARP_UNIFORM:
+                self.fail(s, f"warp-level matrix operation under control flow that differs within a warp: "
+                             f"`{ctl.header}` {ctl.reason}; every lane of the warp must execute it")
+                break
+        offsets = (s.dst_off,) if isinstance(s, LdMatrix) else (s.d_off, s.a_off, s.b_off, s.c_off)
+        level, reason = self.div.level_of(*offsets)
+        if level > UNIFORM:
+            self.fail(s, f"fragment offsets must be the same in every thread (registers), but they {reason}")
+        if any(b.space != "local" for role, b in found.items() if role != "src"):
+            self.fail(s, "fragments live in local buffers: " + ", ".join(
+                f"{b.name!r} is {b.space}" for role, b in found.items() if role != "src" and b.space != "local"))
+        if isinstance(s, LdMatrix):
+            d, src = found["dst"], found["src"]
+            if s.count not in (1, 2, 4):
+                self.fail(s, f"ldmatrix loads 1, 2 or 4 matrices, not {s.count!r}")
+            if src.space != "shared":
+                self.fail(s, f"ldmatrix reads shared memory, but {src.name!r} is {src.space}")
+            if d.dtype != src.dtype or d.dtype not in (DType.f16, DType.bf16):
+                self.fail(s, f"ldmatrix moves 16-bit elements (f16/bf16) of one dtype, not {src.dtype.value} "
+                             f"into {d.dtype.value}")
+            return
+        shape = mma_shape(s.shape, found["a"].dtype)
+        if shape is None or found["a"].dtype != found["b"].dtype:
+            self.fail(s, f"no mma.sync of shape {tuple(s.shape)} with {found['a'].dtype.value} x "
+                         f"{found['b'].dtype.value} inputs (m16n8k16 / m16n8k8 with f16 or bf16, "
+                         "m16n8k8 with f32 as tf32)")
+            return
+        acc = mma_accumulators(shape, found["a"].dtype)
+        if found["c"].dtype != found["d"].dtype or found["c"].dtype not in acc:
+            self.fail(s, f"mma accumulators c ({found['c'].dtype.value}) and d ({found['d'].dtype.value}) must "
+                         f"both be one of {', '.join(d.value for d in acc)}")
 
     def declare(self, v: Var, where: Stmt) -> None:
         prev = self.var_types.setdefault(v.name, v.dtype)
@@ -306,6 +388,11 @@ class _Verifier:
                     self.access(s, buf, idx, env, here)
             if isinstance(s, Store):
                 self.access(s, s.buffer, s.index, env, here, store=True)
+            for buf, start, n, store, guard in _ranges_touched(s, self.buffers):
+                benv = refine(env, guard, True) if guard is not None else env
+                if benv is not None:
+                    for idx in (start, add(start, Const(n - 1, INDEX))) if n > 1 else (start,):
+                        self.access(s, buf, idx, benv, here, store=store)
             if isinstance(s, For):
                 self.bounds_block(s.body, ranges.enter_loop(env, s), ranges, here)
             elif isinstance(s, If):
@@ -397,7 +484,25 @@ def _stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
         return (s.start, s.stop)
     if isinstance(s, If):
         return (s.cond,)
-    return ()
+    return stmt_operands(s)
+
+
+def _ranges_touched(s: Stmt, buffers: dict[str, Buffer]) -> Iterator[tuple[str, Expr, int, bool, Expr | None]]:
+    """The element ranges a tensor-core or cp.async statement reads or writes, per thread:
+    ``(buffer, first index, elements, is a store, condition under which it happens)``."""
+    if isinstance(s, Mma):
+        shape = mma_shape(s.shape, buffers[s.a].dtype)
+        if shape is not None:
+            yield s.a, s.a_off, shape.a_elems, False, None
+            yield s.b, s.b_off, shape.b_elems, False, None
+            yield s.c, s.c_off, shape.c_elems, False, None
+            yield s.d, s.d_off, shape.c_elems, True, None
+    elif isinstance(s, LdMatrix):
+        yield s.src, s.index, 8, False, None
+        yield s.dst, s.dst_off, 2 * s.count, True, None
+    elif isinstance(s, CpAsync):
+        yield s.dst, s.dst_index, s.count, True, None
+        yield s.src, s.src_index, s.count, False, s.pred
 
 
 def _accesses(e: Expr) -> Iterator[tuple[str, Expr]]:
@@ -451,6 +556,8 @@ class _Divergence:
                 self._raise(self.regs, s.var.name, max(ctrl, result))
             elif isinstance(s, Store) and s.buffer in self.local:
                 self._raise(self.mem, s.buffer, max(ctrl, self.level(s.index), self.level(s.value)))
+            elif isinstance(s, Mma | LdMatrix):  # each lane holds different elements
+                self._raise(self.mem, s.d if isinstance(s, Mma) else s.dst, THREAD)
             elif isinstance(s, For):
                 c = max(ctrl, self.level(s.start), self.level(s.stop))
                 self._raise(self.regs, s.var.name, c)
