@@ -164,10 +164,15 @@ def cp_async(low: _KernelLowering, s: CpAsync) -> None:
     dt = low.kernel.buffer(s.dst).dtype
     dst, src = low._value(s.dst_index), low._value(s.src_index)
 
+    def put(i: int, v: ir.Value) -> None:
+        idx = low._store_index(s.dst, b.add(dst, low._i32(i)) if i else dst)
+        b.store(v, low._elem_ptr(s.dst, idx)[1])
+        if low.checker is not None:
+            low.checker.async_written(s.dst, idx)
+
     def copy() -> None:
         for i in range(s.count):
-            v = b.load(_elem(low, s.src, src, i, False), typ=mem_type(dt))
-            b.store(v, _elem(low, s.dst, dst, i, True))
+            put(i, b.load(_elem(low, s.src, src, i, False), typ=mem_type(dt)))
 
     if s.pred is None:
         copy()
@@ -178,4 +183,4 @@ def cp_async(low: _KernelLowering, s: CpAsync) -> None:
         with orelse:
             zero = low.math.to_mem(low.math.const(0, dt), dt)
             for i in range(s.count):
-                b.store(zero, _elem(low, s.dst, dst, i, True))
+                put(i, zero)

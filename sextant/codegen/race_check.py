@@ -21,8 +21,17 @@ mode (``compile_kernels(kernels, check_races=True)``, or ``SEXTANT_CHECK_RACES=1
   CPU, a fault or silent corruption on the GPU — is the other classic GPU-only mistake. A bad
   index is reported and the access redirected to element 0, so the kernel finishes safely.
 * **Warp convergence**: every lane of a warp (the lanes that exist in the block) must reach a
-  ``WarpReduce``, as the PTX lowering's ``shfl.sync`` member mask requires. Each lane stamps
-  its exchange slot with the phase it stored in; the reducing lanes check their warp's stamps.
+  ``WarpReduce``, ``Mma`` or ``LdMatrix``, as ``shfl.sync``'s member mask and ``.sync.aligned``
+  require. Each lane stamps its exchange slot with the phase it stored in; the lanes computing
+  the result check their warp's stamps.
+* **cp.async**: on the CPU the copy happens at once, but on the GPU its data may be read only
+  after the issuing thread's ``CpAsyncWait`` has covered its group (and, by other threads, after
+  a barrier following that wait). A ``cp.async`` write stamps the element's write epoch with the
+  thread's open group instead of an epoch; each thread counts its committed and completed groups
+  and records the epoch in which each group completed (a ring of ``ASYNC_RING`` groups). An
+  access to an element whose group is not complete is reported; once complete, the element's
+  write counts as made in the epoch of the wait — so a read by another thread needs a barrier
+  after the wait, exactly as on the GPU.
 
 The generated code records the first problem of a launch in a per-kernel report (a global
 array); :class:`CheckedCpuModule` runs launches inline, one at a time, and turns a filled report
@@ -43,8 +52,9 @@ import torch
 from llvmlite import ir
 
 from sextant.codegen.scalar_math import I1, I8, I32, I64
+from sextant.codegen.simt import iter_stmts
 from sextant.errors import SextantError
-from sextant.kernel.ir import Kernel
+from sextant.kernel.ir import CpAsync, CpAsyncCommit, CpAsyncWait, Kernel
 from sextant.runtime.cpu import CpuModule
 
 if TYPE_CHECKING:
@@ -54,7 +64,8 @@ ENV_VAR = "SEXTANT_CHECK_RACES"
 WARP = 32  # lanes that must converge on a WarpReduce (the PTX lowering's shfl.sync member mask)
 REPORT = 8  # i32 words: kind, buffer, element, thread a, thread b, block, unused x2
 SHADOW = 5  # i32 words per shared element: write epoch, writer, read epoch, reader 1, reader 2
-RAW, WAW, WAR, OOB_LOAD, OOB_STORE, DIVERGENT = range(1, 7)
+RAW, WAW, WAR, OOB_LOAD, OOB_STORE, DIVERGENT, ASYNC = range(1, 8)
+ASYNC_RING = 16  # cp.async groups per thread whose completion epoch is remembered
 
 
 class KernelCheckError(SextantError, RuntimeError):
@@ -71,6 +82,10 @@ class SharedMemoryRaceError(KernelCheckError):
 
 class OutOfBoundsError(KernelCheckError):
     """A load or store outside its buffer."""
+
+
+class AsyncCopyError(SharedMemoryRaceError):
+    """Shared memory a ``cp.async`` writes is touched before the copy's group was waited for."""
 
 
 class DivergentWarpError(KernelCheckError):
@@ -109,6 +124,8 @@ class KernelChecker:
         self.stamps: dict[str, ir.Value] = {}
         self.epoch: ir.Value | None = None
         self.round: ir.Value | None = None
+        null = ir.Constant(ir.PointerType(), None)
+        self.async_open, self.async_done, self.async_epochs = null, null, null  # per thread (cp.async)
 
     def _c(self, v: int) -> ir.Constant:
         return ir.Constant(I32, v)
@@ -123,12 +140,16 @@ class KernelChecker:
             self.shadow[s.name] = self._filled(SHADOW * s.size, f"shadow.{s.name}")
         for slot in low.plan.exchanges:
             self.stamps[slot] = self._filled(low.kernel.threads_per_block, f"stamp.{slot}")
+        if any(isinstance(s, CpAsync) for s in iter_stmts(low.kernel.body)):
+            T = low.kernel.threads_per_block
+            self.async_open, self.async_done = self._filled(T, "async.open", 0), self._filled(T, "async.done", 0)
+            self.async_epochs = self._filled(T * ASYNC_RING, "async.epochs")
 
-    def _filled(self, count: int, name: str) -> ir.Value:
-        """``count`` i32 words set to -1 (no epoch, no thread)."""
+    def _filled(self, count: int, name: str, byte: int = 0xFF) -> ir.Value:
+        """``count`` i32 words set to -1 (no epoch, no thread), or to 0 with ``byte=0``."""
         p = self.low._array(I32, max(1, count), name)
         memset = self.low.math.declare("llvm.memset.p0.i64", ir.VoidType(), [ir.PointerType(), I8, I64, I1])
-        self.low.b.call(memset, [p, ir.Constant(I8, 0xFF), ir.Constant(I64, 4 * max(1, count)), ir.Constant(I1, 0)])
+        self.low.b.call(memset, [p, ir.Constant(I8, byte), ir.Constant(I64, 4 * max(1, count)), ir.Constant(I1, 0)])
         return p
 
     def _bump(self, counter: ir.Value | None) -> None:
@@ -136,7 +157,17 @@ class KernelChecker:
         b.store(b.add(b.load(counter, typ=I32), self._c(1)), counter)
 
     def block_start(self) -> None:
+        if not isinstance(self.async_done, ir.Constant):
+            # a new block: the last block's copies are complete (a kernel's end waits for them)
+            low = self.low
+            low._loop(self._c(0), self._c(low.kernel.threads_per_block), 1, lambda t: self._complete(
+                t, low.b.load(low.b.gep(self.async_open, [t], inbounds=True, source_etype=I32), typ=I32)),
+                "check.async")
         self._bump(self.epoch)
+
+    def _complete(self, thread: ir.Value, upto: ir.Value) -> None:
+        self.low.b.call(_complete_fn(self.low.module), [self.async_done, self.async_epochs, thread, upto,
+                                                        self.low.b.load(self.epoch, typ=I32)])
 
     def sync(self) -> None:
         """A barrier: accesses after it never race with those before it."""
@@ -166,8 +197,20 @@ class KernelChecker:
         if buf.space == "shared" and buf.size:
             fn = _shadow_fn(low.module, store)
             b.call(fn, [self.shadow[name], b.trunc(index, I32) if index.type.width > 32 else index, low.ltid,
-                        b.load(self.epoch, typ=I32), self.report, self._c(buf_id), low.block_linear])
+                        b.load(self.epoch, typ=I32), self.report, self._c(buf_id), low.block_linear,
+                        self.async_done, self.async_epochs])
         return index
+
+    def async_written(self, name: str, index: ir.Value) -> None:
+        """After the (checked) store of a ``cp.async``: the element's write belongs to this
+        thread's open group, not to the current epoch."""
+        b = self.low.b
+        if name not in self.shadow:
+            return
+        group = b.load(b.gep(self.async_open, [self.low.ltid], inbounds=True, source_etype=I32), typ=I32)
+        word = b.gep(self.shadow[name], [b.mul(b.trunc(index, I32) if index.type.width > 32 else index,
+                                               self._c(SHADOW))], inbounds=True, source_etype=I32)
+        b.store(b.sub(self._c(-2), group), word)
 
     def xchg_store(self, slot: str) -> None:
         b = self.low.b
@@ -191,8 +234,17 @@ class KernelChecker:
 
         low._loop(first, stop, 1, lane, f"check.{slot}")
 
-    def async_group(self, s: object) -> None:
-        """``cp.async`` commit/wait: nothing is checked yet (the copies complete at once)."""
+    def async_group(self, s: CpAsyncCommit | CpAsyncWait) -> None:
+        """Commit: this thread's open group closes. Wait: all but its ``pending`` newest
+        committed groups are complete, in the current epoch."""
+        if isinstance(self.async_open, ir.Constant):
+            return  # no cp.async in the kernel: nothing to wait for
+        b, t = self.low.b, self.low.ltid
+        open_ = b.gep(self.async_open, [t], inbounds=True, source_etype=I32)
+        if isinstance(s, CpAsyncCommit):
+            b.store(b.add(b.load(open_, typ=I32), self._c(1)), open_)
+        else:
+            self._complete(t, b.sub(b.load(open_, typ=I32), self._c(s.pending)))
 
 
 def report_symbol(kernel: str) -> str:
@@ -204,13 +256,41 @@ def report_symbol(kernel: str) -> str:
 _ARGS = ("report", "kind", "buf", "elem", "a", "b", "block")
 
 
+def _complete_fn(module: ir.Module) -> ir.Function:
+    """``complete(done, epochs, thread, upto, epoch)``: the thread's groups below ``upto`` that
+    were not complete yet complete now, in ``epoch``."""
+    fn, b = _helper(module, "sextant.check.async_complete", ("done", "epochs", "thread", "upto", "epoch"))
+    if b is None:
+        return fn
+    done, epochs, t, upto, epoch = fn.args
+    c = lambda v: ir.Constant(I32, v)
+    slot = b.gep(done, [t], inbounds=True, source_etype=I32)
+    first = b.load(slot, typ=I32)
+    head, body, end = (fn.append_basic_block(n) for n in ("head", "body", "end"))
+    entry = b.block
+    b.branch(head)
+    b.position_at_end(head)
+    g = b.phi(I32)
+    g.add_incoming(first, entry)
+    b.cbranch(b.icmp_signed("<", g, upto), body, end)
+    b.position_at_end(body)
+    ring = b.add(b.mul(t, c(ASYNC_RING)), b.and_(g, c(ASYNC_RING - 1)))
+    b.store(epoch, b.gep(epochs, [ring], inbounds=True, source_etype=I32))
+    g.add_incoming(b.add(g, c(1)), body)
+    b.branch(head)
+    b.position_at_end(end)
+    b.store(b.select(b.icmp_signed(">", upto, first), upto, first), slot)
+    b.ret_void()
+    return fn
+
+
 def _helper(module: ir.Module, name: str, args: tuple[str, ...]) -> tuple[ir.Function, ir.IRBuilder | None]:
     """The module's function ``name`` (all i32 arguments but the pointers), and a builder at its
     entry when it was just declared and still needs a body."""
     fn = module.globals.get(name)
     if fn is not None:
         return fn, None
-    types = [ir.PointerType() if a in ("report", "shadow") else I32 for a in args]
+    types = [ir.PointerType() if a in ("report", "shadow", "done", "epochs") else I32 for a in args]
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), types), name)
     fn.linkage = "internal"
     fn.attributes.add("noinline")
@@ -236,10 +316,10 @@ def _shadow_fn(module: ir.Module, store: bool) -> ir.Function:
     """``load|store(shadow, index, thread, epoch, report, buf, block)``: check one shared access
     against the element's shadow words and update them (see the module docstring)."""
     fn, b = _helper(module, f"sextant.check.shared_{'store' if store else 'load'}",
-                    ("shadow", "index", "thread", "epoch", "report", "buf", "block"))
+                    ("shadow", "index", "thread", "epoch", "report", "buf", "block", "done", "epochs"))
     if b is None:
         return fn
-    shadow, index, t, epoch, report, buf, block = fn.args
+    shadow, index, t, epoch, report, buf, block, done, epochs = fn.args
     c = lambda v: ir.Constant(I32, v)
     report_fn = _report_fn(module)
 
@@ -250,6 +330,14 @@ def _shadow_fn(module: ir.Module, store: bool) -> ir.Function:
     base = b.mul(index, c(SHADOW), flags=["nsw"])
     w_epoch, writer, r_epoch, reader1, reader2 = (
         b.gep(shadow, [b.add(base, c(i), flags=["nsw"])], inbounds=True, source_etype=I32) for i in range(SHADOW))
+    stamp = b.load(w_epoch, typ=I32)
+    with b.if_then(b.icmp_signed("<", stamp, c(-1)), likely=False):  # written by a cp.async of group g
+        g, w = b.sub(c(-2), stamp), b.load(writer, typ=I32)
+        pending = b.icmp_signed(">=", g, b.load(b.gep(done, [w], inbounds=True, source_etype=I32), typ=I32))
+        record(pending, ASYNC, w)
+        with b.if_then(b.not_(pending)):  # complete: the write happened in the epoch of the wait
+            ring = b.add(b.mul(w, c(ASYNC_RING)), b.and_(g, c(ASYNC_RING - 1)))
+            b.store(b.load(b.gep(epochs, [ring], inbounds=True, source_etype=I32), typ=I32), w_epoch)
     w = b.load(writer, typ=I32)
     record(b.and_(b.icmp_signed("==", b.load(w_epoch, typ=I32), epoch), b.icmp_signed("!=", w, t)),
            WAW if store else RAW, w)
@@ -326,6 +414,11 @@ def describe(info: CheckInfo, report: list[int]) -> KernelCheckError:
             f"reach; every lane of the warp must take part (a {'warp-level matrix operation' if op else 'WarpReduce'} "
             "under a condition that differs within a warp)", k.name, var, elem, (ta, tb), blk)
     name = info.buffers[buf]
+    if kind == ASYNC:
+        return AsyncCopyError(
+            f"{where}: thread {tb} touches {name}[{elem}] while thread {ta}'s cp.async into it may still be in "
+            "flight: its group was not waited for (CpAsyncCommit, then CpAsyncWait, then a Barrier before other "
+            "threads read it)", k.name, name, elem, (ta, tb), blk)
     if kind in (OOB_LOAD, OOB_STORE):
         size = k.buffer(name).size
         verb = "stores to" if kind == OOB_STORE else "loads"
