@@ -614,10 +614,19 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
 
 
 from sextant.schedule.gpu_conv import gpu_conv_kernel  # noqa: E402  (built from GemmTiles above)
+from sextant.schedule.gpu_mma import gpu_mma_matmul_kernel, uses_tensor_cores  # noqa: E402
+
+
+def gpu_matmul(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """Tensor cores for f16/bf16 on sm_80+ (``gpu_mma``), else the CUDA-core tiled GEMM."""
+    if uses_tensor_cores(group, target):
+        return gpu_mma_matmul_kernel(group, stored, target, name)
+    return gpu_matmul_kernel(group, stored, target, name)
+
 
 GPU_MAPPINGS = {
     "elementwise": gpu_elementwise_kernel,
     "reduce": gpu_reduce_kernel,
-    "matmul": gpu_matmul_kernel,
+    "matmul": gpu_matmul,
     "conv": gpu_conv_kernel,
 }

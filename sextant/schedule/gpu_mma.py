@@ -1,0 +1,203 @@
+"""Tensor-core GEMM: f16/bf16 matmuls on sm_80+ as warps of ``mma.sync.m16n8k16``.
+
+The mapping (one thread block per ``BM × BN`` tile of C, the K loop in steps of ``BK``):
+
+* **Warps own warp tiles.** The block's ``WM × WN`` warps each compute a ``BM/WM × BN/WN`` part
+  of the tile as ``MI × NI`` MMA tiles of 16×8; a lane holds ``MI·NI·4`` f32 accumulators
+  (registers: a ``local`` array indexed by constants once the loops are unrolled).
+* **Tiles are staged in shared memory** in the operands' own dtype, loaded cooperatively
+  (consecutive threads read consecutive elements of a row: coalesced for row-major operands),
+  zero outside the matrices — any fused producer (a transpose, a cast, a slice) is evaluated
+  as the tile loads, exactly as in the CUDA-core mapping.
+* **Fragments come from ``ldmatrix``.** A: ``.x4`` per 16×16 piece (lane ``l`` addresses row
+  ``l % 16``, column ``8·(l // 16)``). B is K×N row-major, so ``.x4.trans`` gives two 16×8
+  B fragments at once (lanes 0–7/8–15 address k rows 0–7/8–15 of columns 0–7, lanes 16–31 the
+  same of columns 8–15). Rows are padded by 8 elements (16 bytes): a row of A is then 80 bytes
+  and of B ``2·BN + 16``, so the 8 row addresses of each 8×8 matrix fall in 8 different groups
+  of 4 banks — conflict-free — and every row start stays 16-byte aligned as ldmatrix requires.
+* **The epilogue** (bias, activation, residual, the cast to the output dtype) runs per
+  accumulator element at the row and column the PTX ISA's C layout gives it
+  (``kernel.fragments``: row ``lane/4 (+8)``, column ``2·(lane%4) (+1)``), guarded at the edges.
+
+Tiles are chosen per problem from :data:`CANDIDATES` by :func:`choose_tile`; accumulation is
+f32, as torch's f16/bf16 matmuls on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.kernel.fragments import MMA_SHAPES
+from sextant.kernel.ir import Barrier, Binary, Buffer, Cast, Const, Expr, Kernel, LdMatrix, Load, Mma, Store, Var
+from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
+from sextant.schedule.indexing import accum_dtype, c, delinearize, iadd, idiv, imod, imul
+from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
+PAD = 8  # elements added to each shared row (16 bytes): conflict-free, aligned ldmatrix rows
+TC_DTYPES = (DType.f16, DType.bf16)
+
+
+@dataclass(frozen=True)
+class TcTile:
+    """A block tile ``bm × bn × bk`` computed by ``wm × wn`` warps."""
+
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wn
+
+    @property
+    def mi(self) -> int:  # 16-row MMA tiles per warp
+        return self.bm // self.wm // MMA.m
+
+    @property
+    def ni(self) -> int:  # 8-column MMA tiles per warp
+        return self.bn // self.wn // MMA.n
+
+    def shared_elems(self) -> tuple[int, int]:
+        return self.bm * (self.bk + PAD), self.bk * (self.bn + PAD)
+
+
+# Largest first: 128×128 gives each warp a 64×32 tile (16 MMAs per 6 ldmatrix a k-step); 64×64 for
+# problems with too few 128×128 tiles to fill the GPU's SMs.
+CANDIDATES = (TcTile(128, 128, 32, 2, 4), TcTile(64, 64, 32, 2, 2))
+
+
+def sm_version(target: TargetDesc) -> int:
+    m = re.match(r"sm_(\d+)", target.name)
+    return int(m.group(1)) if m else 0
+
+
+def uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
+    """An f16/bf16 matmul on sm_80 or newer (mma.sync m16n8k16 with f32 accumulation)."""
+    if not target.is_gpu or sm_version(target) < 80:
+        return False
+    mm = group.anchor
+    a, b = mm.inputs
+    return a.dtype == b.dtype == mm.dtype and a.dtype in TC_DTYPES and mm.type.numel > 0
+
+
+def choose_tile(m: int, n: int, batch: int, target: TargetDesc) -> TcTile:
+    """The largest candidate that still gives at least one block per SM, else the smallest (a
+    small problem cannot fill the GPU either way; smaller tiles waste less work on the edges)."""
+    for tile in CANDIDATES:
+        if math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch >= target.cores:
+            return tile
+    return CANDIDATES[-1]
+
+
+def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    mm = group.anchor
+    a, b = mm.inputs
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    nb = math.prod(batch)
+    dt, acc_t = a.dtype, accum_dtype(mm.dtype)
+    if acc_t != DType.f32:
+        raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {acc_t.value}")
+    tile = choose_tile(m, n, nb, target)
+    e, params, _ = setup_kernel(group, stored)
+    grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
+    bidx = delinearize(bz, batch) if batch else ()
+    a_stride, b_stride = tile.bk + PAD, tile.bn + PAD
+    sa, sb = tile.shared_elems()
+    mi, ni = tile.mi, tile.ni
+    shared = [Buffer("As", dt, sa, "shared"), Buffer("Bs", dt, sb, "shared")]
+    local = (Buffer("fa", dt, mi * MMA.a_elems, "local"), Buffer("fb", dt, ni * MMA.b_elems, "local"),
+             Buffer("acc", acc_t, mi * ni * MMA.c_elems, "local"))
+    t = TID_X
+    lane = e.bind(imod(t, 32), "lane")
+    warp = e.bind(idiv(t, 32), "warp")
+    wrow = e.bind(imul(idiv(warp, tile.wn), tile.bm // tile.wm), "wrow")  # the warp tile's first row ...
+    wcol = e.bind(imul(imod(warp, tile.wn), tile.bn // tile.wn), "wcol")  # ... and column in the block tile
+    i0 = e.bind(imul(bm, tile.bm), "i0")
+    j0 = e.bind(imul(bn, tile.bn), "j0")
+    zero = Const(0.0, acc_t)
+    _strided_loop(e, c(0), mi * ni * MMA.c_elems, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+
+    def load(buf: str, x: Node, rows: int, cols: int, stride: int, row0: Expr, col0: Expr,
+             row_lim: int, col_lim: int) -> None:
+        """``buf[r·stride + col] = x[row0 + r, col0 + col]``, zero outside the matrix."""
+        for p in range(rows * cols // tile.threads):
+            el = iadd(t, c(p * tile.threads))
+            r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
+            gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
+            slot = iadd(imul(r, stride), col)
+            guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
+                          if lim % size])
+            _guarded(e, guard, lambda slot=slot, gr=gr, gc=gc: e.emit(Store(buf, slot, e.value(x, (*bidx, gr, gc)))),
+                     lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
+
+    a_row = iadd(wrow, imod(lane, 16))  # ldmatrix row addresses of this lane (see the module doc)
+    a_col = imul(idiv(lane, 16), 8)
+    b_row = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8))
+    b_col = iadd(wcol, imul(idiv(lane, 16), 8))
+
+    def k_tile(kt: Var) -> None:
+        k0 = e.bind(imul(kt, tile.bk), "k0")
+        load("As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k)
+        load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n)
+        e.emit(Barrier())
+        for ks in range(0, tile.bk, MMA.k):
+            for x in range(mi):
+                e.emit(LdMatrix("fa", c(x * MMA.a_elems), "As",
+                                iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks))), 4))
+            for p in range(ni // 2):
+                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs",
+                                iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16))), 4, trans=True))
+
+            def mma_row(x: Var) -> None:
+                def mma(y: Var) -> None:
+                    acc = imul(iadd(imul(x, ni), y), MMA.c_elems)
+                    e.emit(Mma((16, 8, 16), "acc", acc, "fa", imul(x, MMA.a_elems), "fb", imul(y, MMA.b_elems),
+                               "acc", acc))
+
+                _strided_loop(e, c(0), ni, 1, mma, "nj", unroll=True)
+
+            _strided_loop(e, c(0), mi, 1, mma_row, "mi", unroll=True)
+        e.emit(Barrier())
+
+    _strided_loop(e, c(0), -(-k // tile.bk), 1, k_tile, "kt")
+
+    g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")  # C layout: row g (+8), col 2t (+1)
+
+    def out_tile(x: Var) -> None:
+        def out_col(y: Var) -> None:
+            def element(i: Var) -> None:
+                half = Binary("shr", i, c(1), DType.i32)
+                row = e.bind(iadd(iadd(i0, wrow), iadd(iadd(imul(x, 16), g), imul(half, 8))), "row")
+                col = e.bind(iadd(iadd(j0, wcol), iadd(iadd(imul(y, 8), q), imod(i, 2))), "col")
+                guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((row, m, tile.bm), (col, n, tile.bn))
+                              if lim % size])
+
+                def store() -> None:
+                    slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
+                    e.regs[id(mm)] = e.bind(Cast(Load("acc", slot, acc_t), mm.dtype), "c")
+                    store_epilogue(e, group, (*bidx, row, col))
+                    e.regs.pop(id(mm))
+
+                _guarded(e, guard, store)
+
+            _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)
+
+        _strided_loop(e, c(0), ni, 1, out_col, "nj", unroll=True)
+
+    _strided_loop(e, c(0), mi, 1, out_tile, "mi", unroll=True)
+    _check_shared(name, shared, target)
+    meta = {"mapping": "tensor-core", "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
+            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": "m16n8k16." + dt.value}
+    return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
+                  local=local, meta=meta)
+
