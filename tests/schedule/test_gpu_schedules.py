@@ -108,8 +108,15 @@ def test_half_precision_transformer_block(dtype: torch.dtype) -> None:
     model, x = model.to(dtype), x.to(dtype)
     program, run = _run_gpu(run_pipeline(sextant.capture(model, (x,))))
     for k in program.kernels.values():  # half inputs are accumulated in f32
-        if k.shared:
+        if k.meta.get("mapping") == "tensor-core":  # tiles stay half, the MMA accumulates in f32
+            assert {b.dtype for b in k.shared} == {DType.from_torch(dtype)}
+            assert k.buffer("acc").dtype == DType.f32
+        elif k.shared:
             assert {b.dtype for b in k.shared} == {DType.f32}
+    half = [launch for launch in program.launches if program.groups[launch.group].kind == "matmul"
+            and program.groups[launch.group].anchor.inputs[0].dtype == DType.from_torch(dtype)]
+    assert len(half) == 4  # the projections and the MLP (attention's products are f32 in the graph)
+    assert {program.kernels[launch.kernel].meta["mapping"] for launch in half} == {"tensor-core"}
     fresh = torch.randn_like(x)
     with torch.no_grad():
         expected = model(fresh).float()
