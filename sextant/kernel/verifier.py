@@ -392,6 +392,8 @@ class _Verifier:
                 benv = refine(env, guard, True) if guard is not None else env
                 if benv is not None:
                     for idx in (start, add(start, Const(n - 1, INDEX))) if n > 1 else (start,):
+                        if guard is not None:  # as the GPU lowering clamps it: the witness search runs it too
+                            idx = Select(guard, idx, Const(0, INDEX), INDEX)
                         self.access(s, buf, idx, benv, here, store=store)
             if isinstance(s, For):
                 self.bounds_block(s.body, ranges.enter_loop(env, s), ranges, here)

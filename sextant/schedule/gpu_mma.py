@@ -32,15 +32,33 @@ from dataclasses import dataclass
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 from sextant.kernel.fragments import MMA_SHAPES
-from sextant.kernel.ir import Barrier, Binary, Buffer, Cast, Const, Expr, Kernel, LdMatrix, Load, Mma, Store, Var
+from sextant.kernel.ir import (
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    CpAsync,
+    CpAsyncCommit,
+    CpAsyncWait,
+    Expr,
+    If,
+    Kernel,
+    LdMatrix,
+    Load,
+    Mma,
+    Store,
+    Var,
+)
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
-from sextant.schedule.indexing import accum_dtype, c, delinearize, iadd, idiv, imod, imul
+from sextant.schedule.indexing import accum_dtype, c, delinearize, iadd, idiv, imod, imul, linearize
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
 PAD = 8  # elements added to each shared row (16 bytes): conflict-free, aligned ldmatrix rows
+STAGES = 2  # shared-memory stages: tile kt+1 is copied (cp.async) while tile kt is multiplied
 TC_DTYPES = (DType.f16, DType.bf16)
 
 
@@ -73,6 +91,14 @@ class TcTile:
 # Largest first: 128×128 gives each warp a 64×32 tile (16 MMAs per 6 ldmatrix a k-step); 64×64 for
 # problems with too few 128×128 tiles to fill the GPU's SMs.
 CANDIDATES = (TcTile(128, 128, 32, 2, 4), TcTile(64, 64, 32, 2, 2))
+
+
+def copies_async(x: Node, buffers: dict[int, str], batch: list[int]) -> bool:
+    """Whether tiles of operand ``x`` can be staged by ``cp.async`` in 16-byte chunks: ``x`` is a
+    kernel buffer (not a fused producer), indexed by the same batch dims, whose rows are a whole
+    number of chunks (so every chunk is 16-byte aligned — buffers start 16-byte aligned)."""
+    return (id(x) in buffers and len(x.shape) == len(batch) + 2 and list(x.shape[:-2]) == list(batch)
+            and x.shape[-1] * x.dtype.itemsize % 16 == 0)
 
 
 def sm_version(target: TargetDesc) -> int:
@@ -114,7 +140,7 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     a_stride, b_stride = tile.bk + PAD, tile.bn + PAD
     sa, sb = tile.shared_elems()
     mi, ni = tile.mi, tile.ni
-    shared = [Buffer("As", dt, sa, "shared"), Buffer("Bs", dt, sb, "shared")]
+    shared = [Buffer("As", dt, STAGES * sa, "shared"), Buffer("Bs", dt, STAGES * sb, "shared")]
     local = (Buffer("fa", dt, mi * MMA.a_elems, "local"), Buffer("fb", dt, ni * MMA.b_elems, "local"),
              Buffer("acc", acc_t, mi * ni * MMA.c_elems, "local"))
     t = TID_X
@@ -128,13 +154,26 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     _strided_loop(e, c(0), mi * ni * MMA.c_elems, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
 
     def load(buf: str, x: Node, rows: int, cols: int, stride: int, row0: Expr, col0: Expr,
-             row_lim: int, col_lim: int) -> None:
-        """``buf[r·stride + col] = x[row0 + r, col0 + col]``, zero outside the matrix."""
+             row_lim: int, col_lim: int, base: Expr) -> None:
+        """``buf[base + r·stride + col] = x[row0 + r, col0 + col]``, zero outside the matrix: by
+        ``cp.async`` in 16-byte chunks when ``x`` is a row-major buffer (:func:`copies_async`),
+        else element by element (evaluating any fused producer)."""
+        if copies_async(x, e.buffers, batch):
+            chunk = 16 // dt.itemsize
+            for p in range(rows * cols // chunk // tile.threads):
+                el = iadd(t, c(p * tile.threads))
+                r, col = e.bind(idiv(el, cols // chunk), "r"), e.bind(imul(imod(el, cols // chunk), chunk), "cc")
+                gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
+                guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
+                              if lim % size])  # a chunk is all in or all out: col_lim is a multiple of it
+                e.emit(CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), e.buffers[id(x)],
+                               linearize((*bidx, gr, gc), x.shape), chunk, guard))
+            return
         for p in range(rows * cols // tile.threads):
             el = iadd(t, c(p * tile.threads))
             r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
             gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
-            slot = iadd(imul(r, stride), col)
+            slot = iadd(base, iadd(imul(r, stride), col))
             guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
                           if lim % size])
             _guarded(e, guard, lambda slot=slot, gr=gr, gc=gc: e.emit(Store(buf, slot, e.value(x, (*bidx, gr, gc)))),
@@ -145,18 +184,36 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     b_row = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8))
     b_col = iadd(wcol, imul(idiv(lane, 16), 8))
 
-    def k_tile(kt: Var) -> None:
+    k_tiles = -(-k // tile.bk)
+
+    def load_stage(kt: Expr) -> None:
+        """Tile ``kt`` of A and B into stage ``kt % STAGES``, as one cp.async group."""
+        st = imod(kt, STAGES)
         k0 = e.bind(imul(kt, tile.bk), "k0")
-        load("As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k)
-        load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n)
+        load("As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
+        load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
+
+    load_stage(c(0))  # the prologue: the first tile is in flight before the loop starts
+    e.emit(CpAsyncCommit())
+
+    def k_tile(kt: Var) -> None:
+        nxt = iadd(kt, c(1))  # issue the next tile into the other stage, then wait for this one
+        with e.scope() as prefetch:
+            load_stage(nxt)
+        e.emit(If(_bool("lt", nxt, c(k_tiles)), tuple(prefetch)))
+        e.emit(CpAsyncCommit())
+        e.emit(CpAsyncWait(STAGES - 1))
         e.emit(Barrier())
+        a_base = e.bind(imul(imod(kt, STAGES), sa), "sa")
+        b_base = e.bind(imul(imod(kt, STAGES), sb), "sb")
         for ks in range(0, tile.bk, MMA.k):
             for x in range(mi):
                 e.emit(LdMatrix("fa", c(x * MMA.a_elems), "As",
-                                iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks))), 4))
+                                iadd(a_base, iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks)))), 4))
             for p in range(ni // 2):
                 e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs",
-                                iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16))), 4, trans=True))
+                                iadd(b_base, iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16)))), 4,
+                                trans=True))
 
             def mma_row(x: Var) -> None:
                 def mma(y: Var) -> None:
@@ -169,7 +226,7 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
             _strided_loop(e, c(0), mi, 1, mma_row, "mi", unroll=True)
         e.emit(Barrier())
 
-    _strided_loop(e, c(0), -(-k // tile.bk), 1, k_tile, "kt")
+    _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
 
     g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")  # C layout: row g (+8), col 2t (+1)
 

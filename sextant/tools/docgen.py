@@ -280,7 +280,69 @@ def snippet_tiny_launch_plan() -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def _tc_gpu() -> sextant.CompiledModule:
+    """An f16 MLP block (256 tokens, 64 → 256 → 64) for sm_90: its two matmuls run on tensor cores."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).half()
+    return sextant.compile(model, (torch.randn(256, 64).half(),), target="cuda-sim", arch="sm_90", cache=False)
+
+
+def _tc_kernel() -> tuple[str, object]:
+    program = _tc_gpu().stages["program"]
+    name = next(n for n, k in program.kernels.items() if k.meta.get("mapping") == "tensor-core")
+    return name, program.kernels[name]
+
+
+def snippet_tc_kernel_excerpt() -> str:
+    """The tensor-core GEMM's K loop in kernel IR: tile loads, ldmatrix, the MMA loop nest."""
+    from sextant.kernel.printer import print_kernel
+
+    lines = print_kernel(_tc_kernel()[1]).splitlines()
+    head = lines[:lines.index("{")]
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for (kt"))
+    first_ldm = next(i for i, line in enumerate(lines) if "ldmatrix" in line)
+    mma = next(i for i, line in enumerate(lines) if "mma_m16n8k16" in line)
+    return "\n".join([*head, "{", "  ...", *lines[start:start + 4], "    ...", *lines[first_ldm - 1:first_ldm + 4],
+                      "    ...", *lines[mma - 4:mma + 4], "  ..."])
+
+
+def snippet_tc_ptx_excerpt() -> str:
+    """ldmatrix and mma.sync in the PTX of the same kernel."""
+    from sextant.codegen.llvm_nvptx import ptx_entries
+
+    name, _ = _tc_kernel()
+    lines = ptx_entries(_tc_gpu().stages["ptx"].ptx)[name].splitlines()
+    ldm = next(i for i, line in enumerate(lines) if "ldmatrix" in line)
+    mma = next(i for i, line in enumerate(lines) if "mma.sync" in line)
+    return "\n".join([*lines[ldm - 2:ldm + 4], "\t...", *lines[mma:mma + 6], "\t..."])
+
+
+def snippet_tc_sass_excerpt() -> str:
+    """LDSM and HMMA in the SASS ptxas made of it (nvdisasm, from the dev extra's wheel)."""
+    from sextant.codegen.sass import disassemble, find_disassembler, split_sass
+
+    name, _ = _tc_kernel()
+    tool = find_disassembler()
+    if tool is None:
+        raise RuntimeError("docgen needs nvdisasm for the SASS excerpt (pip install nvidia-cuda-nvdisasm)")
+    sass = split_sass(disassemble(_tc_gpu().stages["ptxas"].cubin, tool), [name])[name]
+    lines = [line.strip() for line in sass.splitlines() if "/*" in line and ("LDSM" in line or "HMMA" in line)]
+    return "\n".join(re.sub(r"\s+", " ", line).split(" ;")[0] + " ;" for line in lines[:10]) + "\n..."
+
+
+def snippet_tc_ptxas() -> str:
+    name, _ = _tc_kernel()
+    log = _tc_gpu().stages["ptxas"].log.strip().splitlines()
+    start = next(i for i, line in enumerate(log) if f"'{name}'" in line)
+    return "\n".join(line for line in log[start:start + 4] if "Compile time" not in line)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "tc-kernel-excerpt": snippet_tc_kernel_excerpt,
+    "tc-ptx-excerpt": snippet_tc_ptx_excerpt,
+    "tc-sass-excerpt": snippet_tc_sass_excerpt,
+    "tc-ptxas": snippet_tc_ptxas,
     "gpt2-roofline": snippet_gpt2_roofline,
     "tiny-launch-plan": snippet_tiny_launch_plan,
     "tiny-gpu-schedule": snippet_tiny_gpu_schedule,

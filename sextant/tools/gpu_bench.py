@@ -1,9 +1,10 @@
 """sextant on an NVIDIA GPU against eager PyTorch and ``torch.compile``: one markdown table.
 
 Cases: GPT-2 (transformers' default ``GPT2Config()``: 12 layers, 768 wide, 50257 tokens) at
-batch 8 × sequence 512 in fp32 and fp16, a 4096³ matrix product and a softmax over 8192×8192,
-each in fp32 and fp16. Times are medians of CUDA-event-timed calls after warm-up; the error is
-the largest absolute difference between sextant's output and eager's (same dtype).
+batch 8 × sequence 512 in fp32 and fp16, a 4096³ matrix product in fp32, fp16 and bf16 (the
+half ones on tensor cores) and a softmax over 8192×8192 in fp32 and fp16. Times are medians of
+CUDA-event-timed calls after warm-up; the error is the largest absolute difference between
+sextant's output and eager's (same dtype).
 
 The whole run must fit in ``--budget-s`` (scripts/gpu-check gives it what the tests leave of 8
 minutes): sextant and eager run for every case first, then ``torch.compile`` for the cases whose
@@ -80,6 +81,10 @@ def _cases() -> list[Case]:
         out.append(Case(f"matmul-4096-{tag}", dt,
                         lambda tiny: (MatMul(), (torch.randn(64 if tiny else 4096, 64 if tiny else 4096),
                                                  torch.randn(64 if tiny else 4096, 64 if tiny else 4096))), 15.0))
+        if dt == torch.float16:  # tensor cores: bf16 too (the GEMM mapping's other input type)
+            out.append(Case("matmul-4096-bf16", torch.bfloat16,
+                            lambda tiny: (MatMul(), (torch.randn(64 if tiny else 4096, 64 if tiny else 4096),
+                                                     torch.randn(64 if tiny else 4096, 64 if tiny else 4096))), 15.0))
         out.append(Case(f"softmax-8192-{tag}", dt,
                         lambda tiny: (Softmax(), (torch.randn(64 if tiny else 8192, 64 if tiny else 8192),)), 10.0))
     return out
@@ -153,6 +158,15 @@ def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, tor
         row.sextant_compile_s = time.perf_counter() - t0
         program = compiled.stages["program"]
         row.kernels = f"{len(program.launches)} ({len(program.kernels)})"
+        mma = [k for k in program.kernels.values() if k.meta.get("mapping") == "tensor-core"]
+        if mma:
+            row.kernels += f", {len(mma)} tensor-core"
+            res = compiled.stages.get("ptxas")
+            if res is not None and getattr(res, "kernels", None):
+                used = [res.kernels[k.name] for k in mma if k.name in res.kernels]
+                if used:
+                    row.notes.append(f"MMA kernels: ≤{max(r.registers for r in used)} registers, "
+                                     f"{sum(r.spill_stores + r.spill_loads for r in used)} B spills")
         got = compiled(*args)
         row.max_err = _max_err(got, expected)
         del got
