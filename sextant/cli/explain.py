@@ -55,8 +55,20 @@ def _costs(build: Build, gpu: str) -> tuple[list[Any] | None, list[Any] | None, 
     return costs, [estimate(c, gpu) for c in costs], ""
 
 
-def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
-    """Print the summary of ``build`` to ``out``."""
+def _counters(build: Build) -> tuple[dict[str, Any] | None, str]:
+    """cuda-sim's counters per kernel (``codegen.counters``), from one counted run on the model's
+    example inputs, or None with the reason."""
+    if build.target != "cuda-sim":
+        return None, "memory counters need --target cuda-sim (they come from running the GPU kernels on the CPU)"
+    from sextant.codegen.counters import count_program
+
+    c, m = build.compiled, build.model
+    return count_program(c.stages["program"], c.flat_inputs(m.args, m.kwargs)), ""
+
+
+def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters: bool = False) -> None:
+    """Print the summary of ``build`` to ``out``; ``counters``: with cuda-sim's memory and
+    tensor-core counters per kernel."""
     p = lambda *a: print(*a, file=out)
     c, m = build.compiled, build.model
     captured: Graph = c.stages["captured"]
@@ -92,6 +104,7 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
         return
     resources = c.stages["ptxas"].kernels if "ptxas" in c.stages else None
     costs, estimates, cost_note = _costs(build, gpu)
+    counted, count_note = _counters(build) if counters else (None, "")
     p(f"\nkernels: {len(program.launches)} launches of {len(program.kernels)} unique kernels, "
       f"planned peak memory {_kib(program.peak_bytes)}")
     for i, launch in enumerate(program.launches):
@@ -108,7 +121,8 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
             res = f"  {r.registers} regs  spills {spill} B  smem {_kib(r.shared_bytes)}"
             if r.stack_frame:
                 res += f"  stack {r.stack_frame} B"
-        p(f"  #{i:<2} {launch.kernel:<16} {g.kind:<11} {shape}{res}")
+        mapping = k.meta.get("mapping")
+        p(f"  #{i:<2} {launch.kernel:<16} {g.kind:<11} {shape}{res}" + (f"  [{mapping}]" if mapping else ""))
         computed = [n for n in program.computed_nodes(launch) if n.op not in NOT_COMPUTED]
         p(f"      fused: {' '.join(n.op for n in computed)}")
         locs = sorted({n.loc for n in computed if n.loc})
@@ -122,6 +136,13 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100") -> None:
                 e = estimates[i]
                 line += f"; {e.gpu.name.split()[0]} roofline {seconds(e.time_s)} ({e.bound}-bound)"
             p(line)
+        if counted is not None and launch.kernel in counted:
+            p(f"      cuda-sim: {counted[launch.kernel].summary()}")
+    if counted is not None:
+        p("  (cuda-sim counters: block 0 of each launch, the first 16 executions of each access, summed over the "
+          "kernel's launches; MMA counts every block)")
+    if count_note:
+        p(f"  ({count_note})")
     if resources is None:
         why = "use --target cuda-sim or cuda" if not build.is_gpu else "ptxas was not available"
         p(f"  (registers and spills come from ptxas: {why})")

@@ -75,10 +75,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    sub.add_parser("explain", parents=[common], help="summarise ops, passes, kernels, registers and costs",
-                   description="Compile MODEL and summarise what happened: ops captured, what each pass changed, "
-                               "kernels with their fused ops, launch shapes, registers/spills, FLOPs and bytes.",
-                   epilog=EXIT_CODES_HELP, formatter_class=fmt)
+    p = sub.add_parser("explain", parents=[common], help="summarise ops, passes, kernels, registers and costs",
+                       description="Compile MODEL and summarise what happened: ops captured, what each pass changed, "
+                                   "kernels with their fused ops, launch shapes, registers/spills, FLOPs and bytes.",
+                       epilog=EXIT_CODES_HELP, formatter_class=fmt)
+    p.add_argument("--counters", action="store_true",
+                   help="with --target cuda-sim: run the model once through a counting build and show each kernel's "
+                        "shared-memory bank conflicts, global coalescing and tensor-core instructions")
     return parser
 
 
@@ -125,7 +128,7 @@ def _cmd_run(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
 def _cmd_explain(ns: argparse.Namespace, build: Build, out: TextIO) -> int:
     from sextant.cli.explain import explain
 
-    explain(build, out, gpu=ns.gpu)
+    explain(build, out, gpu=ns.gpu, counters=ns.counters)
     return ExitCode.OK
 
 

@@ -96,6 +96,8 @@ def mma_compute(low: _KernelLowering, s: MmaCompute) -> None:
     ab, acc_dt = low.kernel.buffer(s.mma.a).dtype, low.kernel.buffer(s.mma.c).dtype
     if low.checker is not None:
         low.checker.warp_converged(s.slot_a, f"mma {s.mma.d}")
+    if low.counter is not None:
+        low.counter.mma_issued()
     f32 = DType.f32
     tag = f"sextant.frag.{shape.ptx}.{shape.kind}.c"
     rows = _table(low, tag + ".row", [shape.c_coord(ln, i)[0] for ln in range(WARP) for i in range(shape.c_elems)])
@@ -130,7 +132,10 @@ def mma_compute(low: _KernelLowering, s: MmaCompute) -> None:
 
 def ldm_stage(low: _KernelLowering, s: LdmStage) -> None:
     b = low.b
-    b.store(low._value(s.ldm.index), low._elem_ptr(s.slot, low.ltid)[1])
+    index = low._value(s.ldm.index)
+    b.store(index, low._elem_ptr(s.slot, low.ltid)[1])
+    if low.counter is not None:  # the hardware's access: one 16-byte row per addressing lane
+        low.counter.record(s.ldm.src, index, store=False, nbytes=16, lanes=8 * s.ldm.count)
     if low.checker is not None:
         low.checker.xchg_store(s.slot)
 
@@ -147,6 +152,8 @@ def ldm_read(low: _KernelLowering, s: LdmRead) -> None:
                                            for ln in range(WARP) for i in range(n)])
     src_col = _table(low, tag + ".col", [ldmatrix_source(ln, i // 2, i % 2, ldm.trans)[1]
                                          for ln in range(WARP) for i in range(n)])
+    if low.counter is not None:
+        low.counter.paused = True  # the rows were counted as ldmatrix's 16-byte accesses
     warp_first = b.and_(low.ltid, low._i32(~(WARP - 1)))
     first = b.mul(lane, low._i32(n))
     dst = low._value(ldm.dst_off)
@@ -156,6 +163,8 @@ def ldm_read(low: _KernelLowering, s: LdmRead) -> None:
         idx = low._load_index(ldm.src, b.add(row, _lookup(low, src_col, at)))
         v = b.load(low._elem_ptr(ldm.src, idx)[1], typ=mem_type(dt))
         b.store(v, _elem(low, ldm.dst, dst, i, True))
+    if low.counter is not None:
+        low.counter.paused = False
 
 
 def cp_async(low: _KernelLowering, s: CpAsync) -> None:
@@ -163,6 +172,10 @@ def cp_async(low: _KernelLowering, s: CpAsync) -> None:
     b = low.b
     dt = low.kernel.buffer(s.dst).dtype
     dst, src = low._value(s.dst_index), low._value(s.src_index)
+    counter, nbytes = low.counter, s.count * dt.itemsize
+    if counter is not None:  # counted as the hardware does it: one chunk written, one read (if pred)
+        counter.record(s.dst, dst, store=True, nbytes=nbytes)
+        counter.paused = True
 
     def put(i: int, v: ir.Value) -> None:
         idx = low._store_index(s.dst, b.add(dst, low._i32(i)) if i else dst)
@@ -171,11 +184,17 @@ def cp_async(low: _KernelLowering, s: CpAsync) -> None:
             low.checker.async_written(s.dst, idx)
 
     def copy() -> None:
+        if counter is not None:
+            counter.paused = False
+            counter.record(s.src, src, store=False, nbytes=nbytes)
+            counter.paused = True
         for i in range(s.count):
             put(i, b.load(_elem(low, s.src, src, i, False), typ=mem_type(dt)))
 
     if s.pred is None:
         copy()
+        if counter is not None:
+            counter.paused = False
         return
     with b.if_else(low._cond(s.pred)) as (then, orelse):
         with then:
@@ -184,3 +203,5 @@ def cp_async(low: _KernelLowering, s: CpAsync) -> None:
             zero = low.math.to_mem(low.math.const(0, dt), dt)
             for i in range(s.count):
                 put(i, zero)
+    if counter is not None:
+        counter.paused = False

@@ -33,6 +33,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 
 from sextant.codegen import cpu_tensor_core as tc
+from sextant.codegen.counters import AccessCounter, CountInfo, CountingCpuModule
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.lane_builder import LaneBuilder
 from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
@@ -54,6 +55,7 @@ from sextant.codegen.simt import (
     XchgReduce,
     XchgStore,
     expr_loads,
+    iter_stmts,
     plan_kernel,
 )
 from sextant.gcpause import gc_paused
@@ -69,6 +71,7 @@ from sextant.kernel.ir import (
     For,
     Kernel,
     Load,
+    Mma,
     Select,
     Special,
     Var,
@@ -119,7 +122,7 @@ def host_target_machine() -> llvm.TargetMachine:
 
 def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None, *,
                 check_races: bool = False, lowerings: list[_KernelLowering] | None = None,
-                vector_bytes: int | None = None) -> ir.Module:
+                vector_bytes: int | None = None, count_accesses: bool = False) -> ir.Module:
     """The unoptimised LLVM module holding ``kernels`` (no JIT); unrolled loops become vectors of
     ``vector_bytes`` (default: the host's widest registers)."""
     tm = tm or host_target_machine()
@@ -131,7 +134,8 @@ def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None,
         if k.name in seen:
             raise CodegenError(f"two kernels are named {k.name!r}")
         seen.add(k.name)
-        low = _KernelLowering(module, k, check_races, host_vector_bytes() if vector_bytes is None else vector_bytes)
+        low = _KernelLowering(module, k, check_races, host_vector_bytes() if vector_bytes is None else vector_bytes,
+                              count_accesses)
         low.emit()
         if lowerings is not None:
             lowerings.append(low)
@@ -158,14 +162,17 @@ def kernel_key(kernel: Kernel, tm: llvm.TargetMachine, options: PassOptions, vec
 
 
 def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = None,
-                    options: PassOptions = DEFAULT_OPTIONS) -> CpuModule:
+                    options: PassOptions = DEFAULT_OPTIONS, count_accesses: bool = False) -> CpuModule:
     """Lower each kernel into its own LLVM module, optimise it at O3 and load the machine code.
 
     Objects come from the on-disk cache, keyed by the kernel IR, or are generated and compiled
     on all cores (``codegen.objects``). ``check_races`` (default: the ``SEXTANT_CHECK_RACES``
     environment variable) compiles the checked variant: launches raise
     ``race_check.KernelCheckError`` on a shared-memory race, an out-of-bounds access or a
-    divergent warp reduction."""
+    divergent warp reduction. ``count_accesses`` compiles the counting variant instead
+    (``counters.CountingCpuModule``: bank conflicts, coalescing, MMA instructions)."""
+    if count_accesses:
+        return _compile_counting(kernels)
     if checks_enabled(check_races):
         return _compile_checked(kernels)
     tm = host_target_machine()
@@ -204,6 +211,30 @@ def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = Non
     return module
 
 
+def _compile_counting(kernels: Sequence[Kernel]) -> CountingCpuModule:
+    """The counting build (``codegen.counters``): one module, lightly optimised, run inline."""
+    tm = host_target_machine()
+    lowerings: list[_KernelLowering] = []
+    with gc_paused():
+        text = str(emit_module(kernels, tm, count_accesses=True, lowerings=lowerings))
+    with _compile_lock:
+        llmod = optimize(text, tm, PassOptions(speed_level=1))
+        engine = llvm.create_mcjit_compiler(llmod, tm)
+        engine.finalize_object()
+        addresses = {k.name: engine.get_function_address(k.name) for k in kernels}
+        infos = {}
+        for low in lowerings:
+            assert low.counter is not None
+            k = low.kernel
+            shapes = [s.shape for s in iter_stmts(k.body) if isinstance(s, Mma)]
+            info = CountInfo(k, low.counter.sites, 2 * shapes[0][0] * shapes[0][1] * shapes[0][2] if shapes else 0)
+            symbols = [low.counter.mma_symbol] + [f"sextant.count.{k.name}.{i}.{part}"
+                                                  for i in range(len(info.sites)) for part in ("rec", "n")]
+            info.addresses = {s: engine.get_global_value_address(s) for s in symbols}
+            infos[k.name] = info
+    return CountingCpuModule(list(kernels), addresses, infos, keepalive=(engine, llmod), llvm_ir=text)
+
+
 def _compile_checked(kernels: Sequence[Kernel]) -> CheckedCpuModule:
     """The checked build: one module, optimised lightly (a test mode), JIT-compiled in process."""
     tm = host_target_machine()
@@ -225,7 +256,8 @@ def _compile_checked(kernels: Sequence[Kernel]) -> CheckedCpuModule:
 
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _KernelLowering(LoweringBase):
-    def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False, vector_bytes: int = 32):
+    def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False, vector_bytes: int = 32,
+                 count: bool = False):
         self.kernel = kernel
         self.plan: SimtPlan = plan_kernel(kernel, mark_barriers=check)
         fnty = ir.FunctionType(ir.VoidType(), [PTR, I32, I32])
@@ -245,9 +277,10 @@ class _KernelLowering(LoweringBase):
         self.bid: tuple[ir.Value, ir.Value, ir.Value] = (self._i32(0),) * 3
         self.block_linear: ir.Value = self._i32(0)
         self.checker = KernelChecker(self) if check else None
+        self.counter = AccessCounter(self) if count else None
         # lanes of an unrolled loop emitted as vectors (0: every loop unrolled one iteration at a
         # time); the checked build stays scalar, its checks look at one index at a time
-        self.vector_lanes = 0 if check else vector_bytes // 4
+        self.vector_lanes = 0 if check or count else vector_bytes // 4
         self.lanes: LanePlan | None = None
         self.lane_vals: dict[str, ir.Value] = {}
         self.lane_memo: dict[int, tuple[Expr, ir.Value]] = {}
@@ -444,8 +477,12 @@ class _KernelLowering(LoweringBase):
 
     # -- statements --------------------------------------------------------------------------
     def _stmts(self, stmts: Sequence[PhaseStmt]) -> None:
+        if self.counter is not None:  # accesses of one statement list are grouped by the counters
+            self.counter.lists.append(id(stmts))
         for s in stmts:
             self._stmt(s)
+        if self.counter is not None:
+            self.counter.lists.pop()
 
     def _stmt(self, s: PhaseStmt) -> None:
         self.memo = {}
@@ -614,9 +651,13 @@ class _KernelLowering(LoweringBase):
 
     # -- expressions (the rest is LoweringBase's) ---------------------------------------------
     def _load_index(self, buffer: str, index: ir.Value) -> ir.Value:
+        if self.counter is not None:
+            self.counter.record(buffer, index, store=False)
         return index if self.checker is None else self.checker.access(buffer, index, store=False)
 
     def _store_index(self, buffer: str, index: ir.Value) -> ir.Value:
+        if self.counter is not None:
+            self.counter.record(buffer, index, store=True)
         return index if self.checker is None else self.checker.access(buffer, index, store=True)
 
     def _special(self, e: Special) -> ir.Value:

@@ -49,6 +49,7 @@ class LaunchCost:
     bytes_written: int
     blocks: int
     flops_by_op: dict[str, int] = field(default_factory=dict)
+    tensor_core: bool = False  # the kernel's products run on tensor cores (the roofline's compute peak)
 
     @property
     def bytes(self) -> int:
@@ -149,7 +150,8 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
         bytes_read += _needed_elements(node, users) * node.dtype.itemsize
     bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(writes))
     return LaunchCost(index, launch.kernel, group.kind, group.anchor.dtype, sum(by_op.values()), transcendentals,
-                      bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])))
+                      bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+                      program.kernels[launch.kernel].meta.get("mapping") == "tensor-core")
 
 
 def program_costs(program: Program) -> list[LaunchCost]:

@@ -7,9 +7,9 @@ FLOP per byte) is the arithmetic intensity above which a kernel is compute-bound
 
 Two refinements keep the estimate a lower bound that means something for small launches:
 
-- sextant's kernels do their math on CUDA cores (``fma.rn.f32``…), never on tensor cores, so the
-  compute peak is the *non-tensor* rate of the kernel's element type (tensor-core rates are
-  listed for reference only);
+- the compute peak is the rate of the units the kernel computes on: the dense tensor-core rate
+  for an f16/bf16 matmul mapped onto tensor cores (``mma.sync``), otherwise the CUDA cores'
+  *non-tensor* rate of the kernel's element type (``fma.rn.f32``…);
 - a block runs on one SM, so a launch with fewer blocks than the GPU has SMs can use at most
   that share of the compute peak. Memory bandwidth is not scaled: a few SMs can keep many loads
   in flight, and how many is the schedule's business.
@@ -37,13 +37,16 @@ class GpuSpec:
     fp32_flops: float  # FLOP/s on CUDA cores (an FMA counts as 2)
     fp16_flops: float  # FLOP/s, non-tensor half precision
     bf16_flops: float  # FLOP/s, non-tensor bfloat16
-    tensor_bf16_flops: float  # FLOP/s on tensor cores, dense; reference only (sextant does not use them)
+    tensor_bf16_flops: float  # FLOP/s on tensor cores, dense (f16 and bf16 alike on these parts)
     bandwidth: float  # bytes/s of device memory
     memory_bytes: int
     source: str  # where the numbers come from
 
-    def peak_flops(self, dtype: DType) -> float:
-        """The compute peak that applies to a kernel computing in ``dtype`` (integers: the fp32 rate)."""
+    def peak_flops(self, dtype: DType, tensor_core: bool = False) -> float:
+        """The compute peak that applies to a kernel computing in ``dtype`` (integers: the fp32 rate),
+        on tensor cores when ``tensor_core`` (f16/bf16 only)."""
+        if tensor_core and dtype in (DType.f16, DType.bf16):
+            return self.tensor_bf16_flops
         return {DType.f16: self.fp16_flops, DType.bf16: self.bf16_flops}.get(dtype, self.fp32_flops)
 
     def ridge(self, dtype: DType = DType.f32) -> float:
@@ -121,7 +124,7 @@ class Estimate:
 
 def estimate(cost: LaunchCost, gpu: str | GpuSpec = "H100", launch_overhead_s: float = LAUNCH_OVERHEAD_S) -> Estimate:
     spec = gpu_spec(gpu)
-    peak = spec.peak_flops(cost.dtype) * min(1.0, max(cost.blocks, 1) / spec.sms)
+    peak = spec.peak_flops(cost.dtype, cost.tensor_core) * min(1.0, max(cost.blocks, 1) / spec.sms)
     return Estimate(cost, spec, peak, cost.flops / peak, cost.bytes / spec.bandwidth, launch_overhead_s)
 
 

@@ -8,7 +8,10 @@ The mapping (one thread block per ``BM × BN`` tile of C, the K loop in steps of
 * **Tiles are staged in shared memory** in the operands' own dtype, loaded cooperatively
   (consecutive threads read consecutive elements of a row: coalesced for row-major operands),
   zero outside the matrices — any fused producer (a transpose, a cast, a slice) is evaluated
-  as the tile loads, exactly as in the CUDA-core mapping.
+  as the tile loads, exactly as in the CUDA-core mapping. A row-major buffer operand is copied
+  by ``cp.async`` in 16-byte chunks into two stages instead; each 8 lanes (one shared-memory
+  wavefront) write either 8 consecutive chunks of a row or — for A's 4-chunk rows — one chunk
+  column of 8 rows, which the odd 16-byte row stride (80 bytes) puts in 8 different bank groups.
 * **Fragments come from ``ldmatrix``.** A: ``.x4`` per 16×16 piece (lane ``l`` addresses row
   ``l % 16``, column ``8·(l // 16)``). B is K×N row-major, so ``.x4.trans`` gives two 16×8
   B fragments at once (lanes 0–7/8–15 address k rows 0–7/8–15 of columns 0–7, lanes 16–31 the
@@ -101,6 +104,20 @@ def copies_async(x: Node, buffers: dict[int, str], batch: list[int]) -> bool:
             and x.shape[-1] * x.dtype.itemsize % 16 == 0)
 
 
+def transposed_source(b: Node, buffers: dict[int, str], batch: list[int]) -> Node | None:
+    """The stored ``W`` when ``b`` is ``Wᵀ`` (a permute swapping the last two dims of a kernel
+    buffer, as a Linear layer's weight): its tiles are staged N×K, rows contiguous along K — the
+    layout ``mma``'s B operand ("col") wants, read by plain ``ldmatrix`` — instead of gathering
+    one strided element per lane."""
+    if b.op != "permute" or id(b) in buffers:
+        return None
+    rank = len(b.shape)
+    if list(b.attr("perm")) != [*range(rank - 2), rank - 1, rank - 2]:
+        return None
+    w = b.inputs[0]
+    return w if id(w) in buffers and list(w.shape[:-2]) == list(batch) else None
+
+
 def sm_version(target: TargetDesc) -> int:
     m = re.match(r"sm_(\d+)", target.name)
     return int(m.group(1)) if m else 0
@@ -137,8 +154,11 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     e, params, _ = setup_kernel(group, stored)
     grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
     bidx = delinearize(bz, batch) if batch else ()
-    a_stride, b_stride = tile.bk + PAD, tile.bn + PAD
+    bt = transposed_source(b, e.buffers, batch)  # B = Wᵀ of a stored N×K W (a Linear): kept N×K
+    a_stride, b_stride = tile.bk + PAD, (tile.bk if bt is not None else tile.bn) + PAD
     sa, sb = tile.shared_elems()
+    if bt is not None:
+        sb = tile.bn * b_stride
     mi, ni = tile.mi, tile.ni
     shared = [Buffer("As", dt, STAGES * sa, "shared"), Buffer("Bs", dt, STAGES * sb, "shared")]
     local = (Buffer("fa", dt, mi * MMA.a_elems, "local"), Buffer("fb", dt, ni * MMA.b_elems, "local"),
@@ -160,9 +180,14 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
         else element by element (evaluating any fused producer)."""
         if copies_async(x, e.buffers, batch):
             chunk = 16 // dt.itemsize
+            cpr = cols // chunk  # chunks per tile row
             for p in range(rows * cols // chunk // tile.threads):
                 el = iadd(t, c(p * tile.threads))
-                r, col = e.bind(idiv(el, cols // chunk), "r"), e.bind(imul(imod(el, cols // chunk), chunk), "cc")
+                if cpr >= 8:  # 8 consecutive lanes (one shared-memory wavefront) write 8 consecutive chunks
+                    r, col = e.bind(idiv(el, cpr), "r"), e.bind(imul(imod(el, cpr), chunk), "cc")
+                else:  # ... or one chunk column of 8 rows, whose odd 16-byte stride spreads them over the banks
+                    r = e.bind(iadd(imod(el, 8), imul(idiv(el, 8 * cpr), 8)), "r")
+                    col = e.bind(imul(imod(idiv(el, 8), cpr), chunk), "cc")
                 gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
                 guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
                               if lim % size])  # a chunk is all in or all out: col_lim is a multiple of it
@@ -181,8 +206,12 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
 
     a_row = iadd(wrow, imod(lane, 16))  # ldmatrix row addresses of this lane (see the module doc)
     a_col = imul(idiv(lane, 16), 8)
-    b_row = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8))
-    b_col = iadd(wcol, imul(idiv(lane, 16), 8))
+    if bt is None:  # Bs is K×N: .trans; lanes 0-15 address k rows of n 0-7, lanes 16-31 of n 8-15
+        b_row = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8))
+        b_col = iadd(wcol, imul(idiv(lane, 16), 8))
+    else:  # Bs is N×K (mma's own "col" B): no .trans; lane l addresses n row 8(l/16) + l%8, k 8((l/8)%2)
+        b_row = iadd(wcol, iadd(imul(idiv(lane, 16), 8), imod(lane, 8)))
+        b_col = imul(imod(idiv(lane, 8), 2), 8)
 
     k_tiles = -(-k // tile.bk)
 
@@ -191,7 +220,10 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
         st = imod(kt, STAGES)
         k0 = e.bind(imul(kt, tile.bk), "k0")
         load("As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
-        load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
+        if bt is None:
+            load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
+        else:
+            load("Bs", bt, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
 
     load_stage(c(0))  # the prologue: the first tile is in flight before the loop starts
     e.emit(CpAsyncCommit())
@@ -211,9 +243,11 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
                 e.emit(LdMatrix("fa", c(x * MMA.a_elems), "As",
                                 iadd(a_base, iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks)))), 4))
             for p in range(ni // 2):
-                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs",
-                                iadd(b_base, iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16)))), 4,
-                                trans=True))
+                if bt is None:
+                    at = iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16)))
+                else:
+                    at = iadd(imul(iadd(b_row, c(p * 16)), b_stride), iadd(b_col, c(ks)))
+                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs", iadd(b_base, at), 4, trans=bt is None))
 
             def mma_row(x: Var) -> None:
                 def mma(y: Var) -> None:

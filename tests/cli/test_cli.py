@@ -95,6 +95,20 @@ def test_explain_lists_kernels_registers_and_passes() -> None:
     assert "from:  examples.py:" in out
 
 
+def test_explain_counters_show_tensor_cores_bank_conflicts_and_coalescing() -> None:
+    code, out, err = cli("explain", f"{USER}:half_mlp", "--target", "cuda-sim", "--counters", "-q")
+    assert code == 0, err
+    assert out.count("[tensor-core]") == 2
+    lines = [line for line in out.splitlines() if "cuda-sim: shared" in line]
+    assert len(lines) == 2
+    for line in lines:  # 128×64 by 64×128, then 128×128 by 128×64: 2·M·N·K / (2·16·8·16) = 512 MMAs each
+        assert re.search(r"shared \d+ req, 0 bank conflicts; global loads \d+ req, \d+% coalesced; "
+                         r"global stores \d+ req, \d+% coalesced; \d+ MMA", line), line
+    assert all("512 MMA (2.1 MFLOP on tensor cores)" in line for line in lines)
+    code, out, _ = cli("explain", "mlp", "--target", "cpu", "--counters", "-q")
+    assert code == 0 and "memory counters need --target cuda-sim" in out
+
+
 def test_user_file_factory_with_kwargs() -> None:
     code, out, err = cli("run", f"{USER}:tiny", "--target", "cpu", "--runs", "2")
     assert code == 0, err

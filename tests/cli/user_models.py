@@ -51,3 +51,10 @@ class Drifts(nn.Module):
 
 def drifts():
     return Drifts(), (torch.randn(4, 8),)
+
+
+def half_mlp():
+    """An f16 MLP block whose two matmuls run on tensor cores (on cuda-sim, sm_80+)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).half()
+    return model, (torch.randn(128, 64).half(),)

@@ -41,6 +41,14 @@ def test_few_blocks_use_few_sms_and_half_precision_has_its_own_peak() -> None:
     assert estimate(_cost(10**9, 10, dtype=DType.f16)).peak_flops == pytest.approx(133.8e12)
 
 
+def test_tensor_core_matmuls_get_the_tensor_core_peak() -> None:
+    c = LaunchCost(0, "k", "matmul", DType.f16, 10**9, 0, 10, 10, 132, tensor_core=True)
+    assert estimate(c, "H100").peak_flops == pytest.approx(989.4e12)
+    assert estimate(c, "A100").peak_flops == pytest.approx(312e12 * 108 / 108)
+    f32 = LaunchCost(0, "k", "matmul", DType.f32, 10**9, 0, 10, 10, 132, tensor_core=True)
+    assert estimate(f32, "H100").peak_flops == pytest.approx(66.9e12)  # no f32 tensor-core mapping
+
+
 def test_totals_per_kernel() -> None:
     es = [estimate(_cost(10**9, 10**6, kernel="a")), estimate(_cost(10**6, 10**8, kernel="b")),
           estimate(_cost(10**9, 10**6, kernel="a"))]
