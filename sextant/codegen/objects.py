@@ -103,8 +103,12 @@ MAX_WORKERS = 8  # forks of a process holding torch and a model: enough to matte
 
 
 def compile_workers() -> int:
-    """Processes a compile may use: the CPUs this process may run on (a container's share, not
-    the host's count), at most ``MAX_WORKERS``."""
+    """Processes a compile may use: ``SEXTANT_COMPILE_JOBS`` if set (1: compile in this process,
+    never fork), else the CPUs this process may run on (a container's share, not the host's
+    count), at most ``MAX_WORKERS``."""
+    jobs = os.environ.get("SEXTANT_COMPILE_JOBS", "").strip()
+    if jobs.isdigit() and int(jobs) >= 1:
+        return int(jobs)
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

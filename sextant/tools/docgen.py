@@ -338,7 +338,19 @@ def snippet_tc_ptxas() -> str:
     return "\n".join(line for line in log[start:start + 4] if "Compile time" not in line)
 
 
+def snippet_tc_counters() -> str:
+    """cuda-sim's counters for the same f16 MLP (``sextant explain --counters`` prints these lines)."""
+    from sextant.codegen.counters import count_program
+
+    cm = _tc_gpu()
+    program = cm.stages["program"]
+    torch.manual_seed(0)
+    counted = count_program(program, [torch.randn(256, 64).half()])
+    return "\n".join(f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "tc-counters": snippet_tc_counters,
     "tc-kernel-excerpt": snippet_tc_kernel_excerpt,
     "tc-ptx-excerpt": snippet_tc_ptx_excerpt,
     "tc-sass-excerpt": snippet_tc_sass_excerpt,

@@ -249,6 +249,9 @@ def _worker(targets: Sequence[str], rfd: int, wfd: int) -> None:
     # one thread per worker (the workers are the parallelism), and no OpenMP: libgomp's thread pool
     # does not survive fork, so a parallel torch op in a child of a process that used it hangs
     torch.set_num_threads(1)
+    # ... and no nested forks: a worker that already ran models has thread pools, and a compile
+    # that forks again from it (codegen.objects) hung in LLVM under pytest-xdist
+    os.environ["SEXTANT_COMPILE_JOBS"] = "1"
     with os.fdopen(rfd, "rb") as inp, os.fdopen(wfd, "wb", buffering=0) as out:
         for line in inp:
             if not line.strip():

@@ -14,8 +14,8 @@ conversion of the weights. Tolerances:
 
 float32 runs with the checked lowering (``SEXTANT_CHECK_RACES=1``): every GPU kernel of every
 model also runs free of shared-memory races, out-of-bounds accesses and divergent warp
-reductions. Half-precision kernels have the same structure (their shared tiles and accumulators
-are float32), so they run unchecked to keep the suite fast.
+reductions. Half-precision models run unchecked to keep the suite fast; their tensor-core GEMMs
+(half tiles, cp.async, ldmatrix, mma) are race-checked in tests/schedule/test_gpu_mma.py.
 """
 
 from __future__ import annotations
