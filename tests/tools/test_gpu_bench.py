@@ -16,7 +16,12 @@ def test_dry_run_writes_a_row_per_case(tmp_path: Path) -> None:
     lines = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = {r[0]: dict(zip(head, r)) for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
-    assert set(rows) == {"softmax-8192-fp32", "softmax-8192-fp16", "matmul-4096-fp32", "matmul-4096-fp16"}
-    for row in rows.values():  # every case ran and was checked against eager
-        assert float(row["max abs err"]) < 1e-2
+    assert set(rows) == {"softmax-8192-fp32", "softmax-8192-fp16", "matmul-4096-fp32", "matmul-4096-fp16",
+                         "matmul-4096-bf16"}
+    for name, row in rows.items():  # every case ran and was checked against eager
+        assert float(row["max abs err"]) < (5e-2 if "bf16" in name else 1e-2)
         assert float(row["sextant cuda ms"]) > 0
+    for half in ("matmul-4096-fp16", "matmul-4096-bf16"):  # on tensor cores, without spills
+        assert "1 tensor-core" in rows[half]["kernels (unique)"]
+        assert "0 B spills" in rows[half]["notes"]
+    assert "tensor-core" not in rows["matmul-4096-fp32"]["kernels (unique)"]
