@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
@@ -54,7 +55,7 @@ from sextant.kernel.ir import (
     Var,
 )
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
-from sextant.schedule.indexing import accum_dtype, c, delinearize, iadd, idiv, imod, imul, linearize
+from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, iadd, idiv, imod, imul, linearize
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
@@ -141,23 +142,30 @@ def choose_tile(m: int, n: int, batch: int, target: TargetDesc) -> TcTile:
     return CANDIDATES[-1]
 
 
-def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    mm = group.anchor
-    a, b = mm.inputs
-    *batch, m, k = a.shape
-    n = b.shape[-1]
-    nb = math.prod(batch)
-    dt, acc_t = a.dtype, accum_dtype(mm.dtype)
-    if acc_t != DType.f32:
-        raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {acc_t.value}")
-    tile = choose_tile(m, n, nb, target)
-    e, params, _ = setup_kernel(group, stored)
-    grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
-    bidx = delinearize(bz, batch) if batch else ()
-    bt = transposed_source(b, e.buffers, batch)  # B = Wᵀ of a stored N×K W (a Linear): kept N×K
-    a_stride, b_stride = tile.bk + PAD, (tile.bk if bt is not None else tile.bn) + PAD
+@dataclass(frozen=True)
+class Operand:
+    """How the tiles of one GEMM operand are read. ``element(row, col)`` gives the conditions
+    under which the element is loaded rather than zero (a convolution's padding) and a thunk
+    emitting its value — any fused producer is evaluated there; ``chunk(row, col)``, when given,
+    the buffer and flat index of a row-major operand whose rows are whole 16-byte chunks (copied
+    by ``cp.async``); ``nk``: B staged N×K (the operand is ``Wᵀ`` of a stored N×K ``W``)."""
+
+    element: Callable[[Expr, Expr], tuple[list[Expr], Callable[[], Expr]]]
+    chunk: Callable[[Expr, Expr], tuple[str, Expr]] | None = None
+    nk: bool = False
+
+
+def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: int, bm: Expr, bn: Expr,
+                  a: Operand, b: Operand, epilogue: Callable[[Expr, Expr, Expr], None]) -> tuple[list[Buffer],
+                                                                                             tuple[Buffer, ...]]:
+    """The block's ``tile`` of ``C = A·B`` (``m × n``, depth ``k``; block coordinates ``bm``,
+    ``bn``) on tensor cores, then ``epilogue(row, col, accumulator)`` per element of C the block
+    owns (under its edge guard). Returns the shared and local buffers the statements use.
+    Shared by the matmul and the implicit-GEMM convolution."""
+    acc_t = DType.f32
+    a_stride, b_stride = tile.bk + PAD, (tile.bk if b.nk else tile.bn) + PAD
     sa, sb = tile.shared_elems()
-    if bt is not None:
+    if b.nk:
         sb = tile.bn * b_stride
     mi, ni = tile.mi, tile.ni
     shared = [Buffer("As", dt, STAGES * sa, "shared"), Buffer("Bs", dt, STAGES * sb, "shared")]
@@ -173,12 +181,11 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     zero = Const(0.0, acc_t)
     _strided_loop(e, c(0), mi * ni * MMA.c_elems, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
 
-    def load(buf: str, x: Node, rows: int, cols: int, stride: int, row0: Expr, col0: Expr,
+    def load(buf: str, x: Operand, rows: int, cols: int, stride: int, row0: Expr, col0: Expr,
              row_lim: int, col_lim: int, base: Expr) -> None:
         """``buf[base + r·stride + col] = x[row0 + r, col0 + col]``, zero outside the matrix: by
-        ``cp.async`` in 16-byte chunks when ``x`` is a row-major buffer (:func:`copies_async`),
-        else element by element (evaluating any fused producer)."""
-        if copies_async(x, e.buffers, batch):
+        ``cp.async`` in 16-byte chunks when ``x`` has them, else element by element."""
+        if x.chunk is not None:
             chunk = 16 // dt.itemsize
             cpr = cols // chunk  # chunks per tile row
             for p in range(rows * cols // chunk // tile.threads):
@@ -191,22 +198,23 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
                 gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
                 guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
                               if lim % size])  # a chunk is all in or all out: col_lim is a multiple of it
-                e.emit(CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), e.buffers[id(x)],
-                               linearize((*bidx, gr, gc), x.shape), chunk, guard))
+                src, at = x.chunk(gr, gc)
+                e.emit(CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), src, at, chunk, guard))
             return
         for p in range(rows * cols // tile.threads):
             el = iadd(t, c(p * tile.threads))
             r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
             gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
             slot = iadd(base, iadd(imul(r, stride), col))
+            extra, value = x.element(gr, gc)
             guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
-                          if lim % size])
-            _guarded(e, guard, lambda slot=slot, gr=gr, gc=gc: e.emit(Store(buf, slot, e.value(x, (*bidx, gr, gc)))),
+                          if lim % size] + extra)
+            _guarded(e, guard, lambda slot=slot, value=value: e.emit(Store(buf, slot, value())),
                      lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
 
     a_row = iadd(wrow, imod(lane, 16))  # ldmatrix row addresses of this lane (see the module doc)
     a_col = imul(idiv(lane, 16), 8)
-    if bt is None:  # Bs is K×N: .trans; lanes 0-15 address k rows of n 0-7, lanes 16-31 of n 8-15
+    if not b.nk:  # Bs is K×N: .trans; lanes 0-15 address k rows of n 0-7, lanes 16-31 of n 8-15
         b_row = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8))
         b_col = iadd(wcol, imul(idiv(lane, 16), 8))
     else:  # Bs is N×K (mma's own "col" B): no .trans; lane l addresses n row 8(l/16) + l%8, k 8((l/8)%2)
@@ -220,10 +228,10 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
         st = imod(kt, STAGES)
         k0 = e.bind(imul(kt, tile.bk), "k0")
         load("As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
-        if bt is None:
+        if not b.nk:
             load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
         else:
-            load("Bs", bt, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
+            load("Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
 
     load_stage(c(0))  # the prologue: the first tile is in flight before the loop starts
     e.emit(CpAsyncCommit())
@@ -243,11 +251,11 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
                 e.emit(LdMatrix("fa", c(x * MMA.a_elems), "As",
                                 iadd(a_base, iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks)))), 4))
             for p in range(ni // 2):
-                if bt is None:
+                if not b.nk:
                     at = iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16)))
                 else:
                     at = iadd(imul(iadd(b_row, c(p * 16)), b_stride), iadd(b_col, c(ks)))
-                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs", iadd(b_base, at), 4, trans=bt is None))
+                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs", iadd(b_base, at), 4, trans=not b.nk))
 
             def mma_row(x: Var) -> None:
                 def mma(y: Var) -> None:
@@ -272,20 +280,46 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
                 col = e.bind(iadd(iadd(j0, wcol), iadd(iadd(imul(y, 8), q), imod(i, 2))), "col")
                 guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((row, m, tile.bm), (col, n, tile.bn))
                               if lim % size])
-
-                def store() -> None:
-                    slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
-                    e.regs[id(mm)] = e.bind(Cast(Load("acc", slot, acc_t), mm.dtype), "c")
-                    store_epilogue(e, group, (*bidx, row, col))
-                    e.regs.pop(id(mm))
-
-                _guarded(e, guard, store)
+                slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
+                _guarded(e, guard, lambda: epilogue(row, col, Load("acc", slot, acc_t)))
 
             _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)
 
         _strided_loop(e, c(0), ni, 1, out_col, "nj", unroll=True)
 
     _strided_loop(e, c(0), mi, 1, out_tile, "mi", unroll=True)
+    return shared, local
+
+
+def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    mm = group.anchor
+    a, b = mm.inputs
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    nb = math.prod(batch)
+    dt = a.dtype
+    if accum_dtype(mm.dtype) != DType.f32:
+        raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {accum_dtype(mm.dtype).value}")
+    tile = choose_tile(m, n, nb, target)
+    e, params, _ = setup_kernel(group, stored)
+    grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
+    bidx = delinearize(bz, batch) if batch else ()
+
+    def operand(x: Node, nk: bool = False) -> Operand:
+        chunk = None
+        if copies_async(x, e.buffers, batch):
+            chunk = lambda r, col: (e.buffers[id(x)], linearize((*bidx, r, col), x.shape))
+        return Operand(lambda r, col: ([], lambda: e.value(x, (*bidx, r, col))), chunk, nk)
+
+    bt = transposed_source(b, e.buffers, batch)  # B = Wᵀ of a stored N×K W: staged N×K
+    b_op = operand(bt, nk=True) if bt is not None else operand(b)
+
+    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+        e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype), "c")
+        store_epilogue(e, group, (*bidx, row, col))
+        e.regs.pop(id(mm))
+
+    shared, local = emit_mma_gemm(e, tile, dt, m, n, k, bm, bn, operand(a), b_op, epilogue)
     _check_shared(name, shared, target)
     meta = {"mapping": "tensor-core", "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
             "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": "m16n8k16." + dt.value}
