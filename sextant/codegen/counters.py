@@ -5,8 +5,10 @@ A counting build of the SIMT CPU lowering (``compile_kernels(kernels, count_acce
 records, for **block 0** of every launch, the element index of the first :data:`SAMPLES`
 executions of every access site (a load or store of a global or shared buffer, an ``ldmatrix``
 row, a ``cp.async`` chunk) by every thread, and counts the ``Mma`` instructions of all blocks.
+Each record carries a *stamp*: how many loop iterations the thread had begun (uniform loops and
+its own), so lanes that skip an access in some iterations (a guard) still line up by iteration.
 After the launch the records are regrouped per warp — lanes ``32w … 32w+31`` at the same site
-and execution — which is what one warp-wide instruction sends to memory:
+and stamp — which is what one warp-wide instruction sends to memory:
 
 * **shared memory**: 32 banks of 4 bytes. A request costs one *wavefront* per distinct 4-byte word
   in its busiest bank (lanes reading the same word are a broadcast); every wavefront past the
@@ -117,16 +119,33 @@ class AccessCounter:
         g = ir.GlobalVariable(low.module, I64, self.mma_symbol)
         g.initializer = ir.Constant(I64, 0)
         self.mma = g
+        T = low.kernel.threads_per_block
+        self.steps = ir.GlobalVariable(low.module, ir.ArrayType(I32, T), f"sextant.count.{name}.steps")
+        self.steps.initializer = ir.Constant(ir.ArrayType(I32, T), None)
+        self.ustep = ir.GlobalVariable(low.module, I32, f"sextant.count.{name}.ustep")
+        self.ustep.initializer = ir.Constant(I32, 0)
+        self.loop_body = False  # the next statement list lowered is a loop body
 
-    def _site_arrays(self, i: int) -> tuple[ir.GlobalVariable, ir.GlobalVariable]:
+    def iteration(self, uniform: bool) -> None:
+        """A loop iteration begins: a uniform loop's (all threads) or this thread's own."""
+        b, low = self.low.b, self.low
+        if uniform:
+            b.store(b.add(b.load(self.ustep, typ=I32), low._i32(1)), self.ustep)
+            return
+        slot = b.gep(self.steps, [low._i32(0), low.ltid], inbounds=True)
+        b.store(b.add(b.load(slot, typ=I32), low._i32(1)), slot)
+
+    def _site_arrays(self, i: int) -> tuple[ir.GlobalVariable, ir.GlobalVariable, ir.GlobalVariable]:
         T = self.low.kernel.threads_per_block
         name = self.low.kernel.name
         rec_ty, n_ty = ir.ArrayType(I32, SAMPLES * T), ir.ArrayType(I32, T)
         rec = ir.GlobalVariable(self.low.module, rec_ty, f"sextant.count.{name}.{i}.rec")
         rec.initializer = ir.Constant(rec_ty, [-1] * (SAMPLES * T))
+        stamp = ir.GlobalVariable(self.low.module, rec_ty, f"sextant.count.{name}.{i}.stamp")
+        stamp.initializer = ir.Constant(rec_ty, None)
         n = ir.GlobalVariable(self.low.module, n_ty, f"sextant.count.{name}.{i}.n")
         n.initializer = ir.Constant(n_ty, None)
-        return rec, n
+        return rec, stamp, n
 
     def record(self, buffer: str, index: ir.Value, store: bool, nbytes: int | None = None,
                lanes: int = WARP) -> None:
@@ -141,7 +160,7 @@ class AccessCounter:
         site = len(self.sites)
         self.sites.append(Site(buffer, buf.space, store, nbytes or buf.dtype.itemsize,
                                (buffer, store, self.lists[-1]), lanes, buf.dtype.itemsize))
-        rec, count = self._site_arrays(site)
+        rec, stamps, count = self._site_arrays(site)
         idx = b.trunc(index, I32) if index.type.width > 32 else index
         with b.if_then(b.icmp_signed("==", low.block_linear, low._i32(0))):
             slot = b.gep(count, [low._i32(0), low.ltid], inbounds=True)
@@ -149,6 +168,9 @@ class AccessCounter:
             with b.if_then(b.icmp_signed("<", n, low._i32(SAMPLES))):
                 at = b.add(b.mul(n, low._i32(low.kernel.threads_per_block)), low.ltid)
                 b.store(idx, b.gep(rec, [low._i32(0), at], inbounds=True))
+                own = b.load(b.gep(self.steps, [low._i32(0), low.ltid], inbounds=True), typ=I32)
+                stamp = b.add(b.mul(b.load(self.ustep, typ=I32), low._i32(1 << 16)), own)
+                b.store(stamp, b.gep(stamps, [low._i32(0), at], inbounds=True))
                 b.store(b.add(n, low._i32(1)), slot)
 
     def mma_issued(self) -> None:
@@ -195,21 +217,36 @@ class CountingCpuModule(CpuModule):
         return run_counted
 
 
-def _arrays(info: CountInfo, i: int) -> tuple[np.ndarray, np.ndarray]:
+def _array(info: CountInfo, symbol: str, count: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_int32 * count).from_address(
+        info.addresses[f"sextant.count.{info.kernel.name}.{symbol}"]))
+
+
+def _arrays(info: CountInfo, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     T = info.kernel.threads_per_block
-    rec = np.ctypeslib.as_array((ctypes.c_int32 * (SAMPLES * T)).from_address(
-        info.addresses[f"sextant.count.{info.kernel.name}.{i}.rec"]))
-    n = np.ctypeslib.as_array((ctypes.c_int32 * T).from_address(
-        info.addresses[f"sextant.count.{info.kernel.name}.{i}.n"]))
-    return rec, n
+    return _array(info, f"{i}.rec", SAMPLES * T), _array(info, f"{i}.stamp", SAMPLES * T), _array(info, f"{i}.n", T)
 
 
 def _reset(info: CountInfo) -> None:
     for i in range(len(info.sites)):
-        rec, n = _arrays(info, i)
+        rec, stamp, n = _arrays(info, i)
         rec[:] = -1
+        stamp[:] = 0
         n[:] = 0
+    _array(info, "steps", info.kernel.threads_per_block)[:] = 0
+    _array(info, "ustep", 1)[:] = 0
     ctypes.c_int64.from_address(info.addresses[f"sextant.count.{info.kernel.name}.mma"]).value = 0
+
+
+def _by_stamp(rec: np.ndarray, stamps: np.ndarray, T: int) -> list[dict[int, np.ndarray]]:
+    """Per warp: stamp → the 32 lanes' indices at that stamp (-1: the lane did not access)."""
+    warps: list[dict[int, np.ndarray]] = [{} for _ in range(max(1, T // WARP))]
+    for n, t in zip(*np.nonzero(rec.reshape(SAMPLES, T) >= 0)):
+        w, lane = divmod(int(t), WARP)
+        at = n * T + t
+        lanes = warps[w].setdefault(int(stamps[at]), np.full(WARP, -1, dtype=np.int64))
+        lanes[lane] = rec[at]
+    return warps
 
 
 def _wavefronts(words: np.ndarray) -> int:
@@ -223,14 +260,14 @@ def _collect(info: CountInfo) -> KernelCounters:
     out = KernelCounters(launches=1)
     T = info.kernel.threads_per_block
     warps = max(1, T // WARP)
-    groups: dict[tuple, list[tuple[np.ndarray, Site]]] = {}
+    groups: dict[tuple, list[tuple[list[dict[int, np.ndarray]], Site]]] = {}
     for i, site in enumerate(info.sites):
-        rec, _ = _arrays(info, i)
-        rec = rec.reshape(SAMPLES, T)
+        rec, stamps, _ = _arrays(info, i)
+        per_warp = _by_stamp(rec, stamps, T)
         if site.space == "shared":
-            for n in range(SAMPLES):
-                for w in range(warps):
-                    lanes = rec[n, w * WARP:(w + 1) * WARP][:site.lanes]
+            for w in range(warps):
+                for lanes in per_warp[w].values():
+                    lanes = lanes[:site.lanes]
                     active = lanes[lanes >= 0]
                     if not active.size:
                         continue
@@ -247,12 +284,14 @@ def _collect(info: CountInfo) -> KernelCounters:
                             out.shared_requests += 1
                             out.shared_wavefronts += _wavefronts(words)
         else:
-            groups.setdefault(site.group, []).append((rec, site))
+            groups.setdefault(site.group, []).append((per_warp, site))
+    none = np.full(WARP, -1, dtype=np.int64)
     for members in groups.values():
         store = members[0][1].store
-        for n in range(SAMPLES):
-            for w in range(warps):
-                for cluster in _vector_accesses([(rec[n, w * WARP:(w + 1) * WARP], site) for rec, site in members]):
+        for w in range(warps):
+            for stamp in sorted({s for per_warp, _ in members for s in per_warp[w]}):
+                accesses = [(per_warp[w].get(stamp, none), site) for per_warp, site in members]
+                for cluster in _vector_accesses(accesses):
                     touched = np.unique(np.concatenate(cluster))
                     sectors, ideal = np.unique(touched // SECTOR).size, -(-touched.size // SECTOR)
                     if store:

@@ -228,8 +228,9 @@ def _compile_counting(kernels: Sequence[Kernel]) -> CountingCpuModule:
             k = low.kernel
             shapes = [s.shape for s in iter_stmts(k.body) if isinstance(s, Mma)]
             info = CountInfo(k, low.counter.sites, 2 * shapes[0][0] * shapes[0][1] * shapes[0][2] if shapes else 0)
-            symbols = [low.counter.mma_symbol] + [f"sextant.count.{k.name}.{i}.{part}"
-                                                  for i in range(len(info.sites)) for part in ("rec", "n")]
+            symbols = [low.counter.mma_symbol, f"sextant.count.{k.name}.steps", f"sextant.count.{k.name}.ustep"]
+            symbols += [f"sextant.count.{k.name}.{i}.{part}" for i in range(len(info.sites))
+                        for part in ("rec", "stamp", "n")]
             info.addresses = {s: engine.get_global_value_address(s) for s in symbols}
             infos[k.name] = info
     return CountingCpuModule(list(kernels), addresses, infos, keepalive=(engine, llmod), llvm_ir=text)
@@ -423,6 +424,8 @@ class _KernelLowering(LoweringBase):
 
                 def body(iv: ir.Value, it: UniformFor = it) -> None:
                     self._uniform_context()
+                    if self.counter is not None:
+                        self.counter.iteration(uniform=True)
                     self.write_var(it.loop.var, iv)
                     self._items(it.body)
 
@@ -479,6 +482,9 @@ class _KernelLowering(LoweringBase):
     def _stmts(self, stmts: Sequence[PhaseStmt]) -> None:
         if self.counter is not None:  # accesses of one statement list are grouped by the counters
             self.counter.lists.append(id(stmts))
+            if self.counter.loop_body:
+                self.counter.loop_body = False
+                self.counter.iteration(uniform=False)
         for s in stmts:
             self._stmt(s)
         if self.counter is not None:
@@ -547,7 +553,11 @@ class _KernelLowering(LoweringBase):
     def _for(self, s: For) -> None:
         plan = plan_lanes(s, self.vector_lanes) if s.unroll and self.vector_lanes >= 4 else None
         if plan is None:
+            if self.counter is not None:
+                self.counter.loop_body = True
             super()._for(s)
+            if self.counter is not None:
+                self.counter.loop_body = False  # (a loop unrolled to no iterations lowers no body)
             return
         outer = (self.lanes, self.lane_vals)
         self.lanes, self.lane_vals = plan, {}

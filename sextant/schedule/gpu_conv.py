@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from sextant.kernel.ir import Expr, Kernel, Load
+from sextant.kernel.ir import Cast, Expr, Kernel, Load
 from sextant.schedule.gpu_kernels import (
     MM_MICRO_M,
     MM_MICRO_N,
@@ -33,9 +33,11 @@ from sextant.schedule.gpu_kernels import (
     GemmTiles,
     TileElement,
     _bool,
+    _check_shared,
     _grid,
     gpu_direct_conv_kernel,
 )
+from sextant.schedule.gpu_mma import TC_DTYPES, Operand, choose_tile, emit_mma_gemm, sm_version
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
@@ -45,6 +47,14 @@ from sextant.schedule.target import TargetDesc
 # (one thread per output) is used instead. At 4, a 256-thread block already computes 64 positions
 # × 4 channels = 256 outputs, as many as a direct block, and reuses each loaded input 4 times.
 CONV_GEMM_MIN_CHANNELS = 4
+
+
+def conv_uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
+    """An f16/bf16 convolution on sm_80+: its implicit GEMM runs on ``mma.sync`` (``gpu_mma``)."""
+    cv = group.anchor
+    x, w = cv.inputs
+    return (target.is_gpu and sm_version(target) >= 80 and x.dtype == w.dtype == cv.dtype
+            and x.dtype in TC_DTYPES and cv.type.numel > 0)
 
 
 def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
@@ -85,12 +95,20 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     nb, osp, isp = cv.shape[0], tuple(cv.shape[2:]), tuple(x.shape[2:])
     positions, k = nb * math.prod(osp), cin_g * math.prod(ksp)
     e, params, _ = setup_kernel(group, stored)
-    tiles = GemmTiles(e, accum_dtype(cv.dtype))
-    grid, (bn, bm, g) = _grid(e, (-(-positions // MM_TILE_N), -(-cout_g // MM_TILE_M), groups))
-    meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
-            "micro_tile": (MM_MICRO_M, MM_MICRO_N), "gemm": (cout_g, positions, k), "groups": groups}
+    tensor_cores = conv_uses_tensor_cores(group, target)
+    tc_tile = choose_tile(cout_g, positions, groups, target) if tensor_cores else None
+    bm_, bn_ = (tc_tile.bm, tc_tile.bn) if tc_tile else (MM_TILE_M, MM_TILE_N)
+    grid, (bn, bm, g) = _grid(e, (-(-positions // bn_), -(-cout_g // bm_), groups))
+    if tc_tile is not None:
+        meta = {"mapping": "tensor-core-implicit-gemm", "tile": (tc_tile.bm, tc_tile.bn, tc_tile.bk),
+                "warps": (tc_tile.wm, tc_tile.wn), "gemm": (cout_g, positions, k), "groups": groups,
+                "mma": "m16n8k16." + cv.dtype.value}
+    else:
+        meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
+                "micro_tile": (MM_MICRO_M, MM_MICRO_N), "gemm": (cout_g, positions, k), "groups": groups}
     if not cv.type.numel:
-        return Kernel(name, tuple(params), grid, (MM_THREADS_X, MM_THREADS_Y, 1), (), meta=meta)
+        return Kernel(name, tuple(params), grid, (tc_tile.threads if tc_tile else MM_THREADS_X,
+                                                  1 if tc_tile else MM_THREADS_Y, 1), (), meta=meta)
     channel0 = imul(g, cout_g)
 
     def position(m: Expr) -> tuple[Expr, Index]:
@@ -125,6 +143,23 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
 
     w_tile: TileElement = weight
     x_tile: TileElement = im2col
+    if tc_tile is not None:  # the same operands on tensor cores (gpu_mma); weight rows by cp.async
+        chunk = None
+        if id(w) in e.buffers and k * w.dtype.itemsize % 16 == 0:
+            chunk = lambda row, col: (e.buffers[id(w)], iadd(imul(iadd(channel0, row), k), col))
+
+        def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+            e.regs[id(cv)] = e.bind(Cast(acc, cv.dtype), "c")
+            n, o = position(col)
+            store_epilogue(e, group, (n, iadd(channel0, row), *o))
+            e.regs.pop(id(cv))
+
+        shared, local = emit_mma_gemm(e, tc_tile, w.dtype, cout_g, positions, k, bm, bn, Operand(w_tile, chunk),
+                                      Operand(x_tile), epilogue)
+        _check_shared(name, shared, target)
+        return Kernel(name, tuple(params), grid, (tc_tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
+                      local=local, meta=meta)
+    tiles = GemmTiles(e, accum_dtype(cv.dtype))
     i0, j0 = tiles.start(bm, bn)
 
     def load_tiles(k0: Expr) -> None:

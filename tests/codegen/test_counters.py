@@ -32,12 +32,14 @@ from sextant.kernel.ir import (
     c,
     mul,
 )
+from sextant.kernel.verifier import verify_kernel
 
 F32, F16 = DType.f32, DType.f16
 TID = Special("tid", "x")
 
 
 def _count(kernel: Kernel, *tensors: torch.Tensor) -> KernelCounters:
+    verify_kernel(kernel)
     module = compile_kernels([kernel], count_accesses=True)
     module.launch(kernel.name, list(tensors))
     return module.counters[kernel.name]
@@ -49,7 +51,7 @@ def copy_kernel(name: str, src_index: Expr, size: int, shared_index: Expr | None
     shared: tuple = ()
     if shared_index is not None:
         body = (Store("s", shared_index, Load("x", TID, F32)), Barrier(), Store("y", TID, Load("s", shared_index, F32)))
-        shared = (Buffer("s", F32, 64 * 32, "shared"),)
+        shared = (Buffer("s", F32, 64 * 64, "shared"),)
     return Kernel(name, (Buffer("x", F32, size), Buffer("y", F32, 64, role="out")), (1, 1, 1), (64, 1, 1), body,
                   shared=shared)
 

@@ -59,8 +59,17 @@ def _stmts(body: tuple[Stmt, ...]) -> list[Stmt]:
 
 
 def _check_implicit_gemm(k: Kernel, dtype: torch.dtype) -> None:
-    """Tiles of A and B in shared memory (f32 for every input type), a register micro-tile, and
-    the two barriers of the K loop (after the loads, after the rank-1 updates)."""
+    """f32: tiles of A and B in shared memory, a register micro-tile, and the two barriers of the
+    K loop (after the loads, after the rank-1 updates). f16/bf16 (sm_80+): the tensor-core body
+    instead — two half-precision stages of each tile, f32 accumulators, the same two barriers."""
+    if dtype != torch.float32:
+        assert k.meta["mapping"] == "tensor-core-implicit-gemm"
+        assert {b.dtype for b in k.shared} == {DType.from_torch(dtype)} and k.buffer("acc").dtype == DType.f32
+        assert sum(isinstance(s, Barrier) for s in _stmts(k.body)) == 2
+        cout_g, positions, _ = k.meta["gemm"]
+        bm, bn, _ = k.meta["tile"]
+        assert k.grid == (math.ceil(positions / bn), math.ceil(cout_g / bm), k.meta["groups"])
+        return
     assert k.meta["mapping"] == "implicit-gemm"
     assert k.block == (16, 16, 1)
     assert {(b.name, b.size, b.dtype) for b in k.shared} == {("As", 64 * 16, DType.f32), ("Bs", 16 * 64, DType.f32)}
