@@ -7,6 +7,8 @@ kernel that consumes them (movement ops become index arithmetic). Kernels are an
   and reduced axes) that depends on it through elementwise ops and broadcasts, and the
   elementwise consumers of those reductions — softmax, LayerNorm, RMSNorm are one group;
 - a **matmul** or **convolution**, with its elementwise epilogue (bias, activation, residual);
+- an **attention** ``softmax(f(Q·Kᵀ))·V`` (``attention_match``): both products, the masks and
+  the softmax in one kernel, with the second product's epilogue;
 - a value that must be stored (a graph output, or an elementwise result shared by several
   kernels whose recomputation would be costly) that no anchor absorbed: an elementwise group.
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import MOVEMENT, is_elementwise
+from sextant.schedule.attention_match import Attention, match_attention
 from sextant.work import WorkCounter
 
 INLINE_OPS_LIMIT = 24  # a shared elementwise tree larger than this is stored, not recomputed
@@ -33,7 +36,7 @@ PROLOGUE_OPS_LIMIT = 2  # a matmul/conv operand computed with more ops than this
 
 @dataclass
 class Group:
-    kind: str  # "elementwise" | "reduce" | "matmul" | "conv"
+    kind: str  # "elementwise" | "reduce" | "matmul" | "conv" | "attention"
     anchor: Node  # the node whose iteration space the kernel walks
     members: list[Node] = field(default_factory=list)  # computed in this kernel, topological order
     outputs: list[Node] = field(default_factory=list)  # members stored to memory
@@ -41,6 +44,7 @@ class Group:
     # operands the kernel reads in a layout made at compile time (id of the operand -> the node
     # computing that layout from the weights), e.g. a CPU convolution's [G, strips, K, nr] weights
     packed: dict[int, Node] = field(default_factory=dict)
+    attention: Attention | None = None  # the matched chain of an "attention" group
 
     @property
     def domain(self) -> tuple:
@@ -57,16 +61,21 @@ def is_buffer(n: Node) -> bool:
     return n.op in ("input", "param")
 
 
-def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False) -> list[Group]:
+def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False,
+              fuse_attention: bool = True) -> list[Group]:
     """The fused groups of ``graph`` in a valid launch order; ``work`` counts the nodes the
     fusion walks visited.
 
     ``store_conv_inputs``: a convolution's input is stored rather than inlined, whatever computes
     it — zero padding, a concat, a resize, a cheap activation (the CPU reads each input element
     Cout·kernel / vector times, and its implicit GEMM wants one add per read; the GPU stages its
-    tiles through shared memory and computes them there once)."""
+    tiles through shared memory and computes them there once).
+
+    ``fuse_attention``: each ``softmax(f(Q·Kᵀ))·V`` chain (``attention_match``) is one
+    ``attention`` group, its score and probability matrices never stored."""
     fusion = _Fusion(graph, work if work is not None else WorkCounter())
     fusion.store_conv_inputs = store_conv_inputs
+    fusion.fuse_attention = fuse_attention
     return fusion.run()
 
 
@@ -84,6 +93,8 @@ class _Fusion:
 
     def __init__(self, graph: Graph, work: WorkCounter) -> None:
         self.store_conv_inputs = False
+        self.fuse_attention = True
+        self.refused_attention: list[tuple[Node, str]] = []
         self.graph = graph
         self.work = work
         self.pos = {id(n): i for i, n in enumerate(graph.nodes)}
@@ -105,11 +116,14 @@ class _Fusion:
     def run(self) -> list[Group]:
         graph, stored, group_of = self.graph, self.stored, self.group_of
         self.work.add("fusion: nodes", len(graph.nodes))
+        fused_probs = self.form_attention_groups() if self.fuse_attention else set()
         # Operands of matmul/conv that carry arithmetic are stored: inlined, they would be
         # recomputed for every multiply-add of the contraction.
         for n in graph.nodes:
             if n.op in ("matmul", "conv"):
                 for operand in n.inputs:
+                    if id(operand) in fused_probs and operand is n.inputs[0]:
+                        continue  # an attention's probabilities: computed in its kernel, never stored
                     if self.store_conv_inputs and n.op == "conv" and operand is n.inputs[0] \
                             and inlinable(operand) and not is_buffer(operand):
                         stored.add(id(operand))
@@ -154,6 +168,10 @@ class _Fusion:
         for n in graph.nodes:
             if id(n) in stored and id(n) not in group_of and not is_buffer(n):
                 self.new_group("elementwise", n)
+        for node, why in self.refused_attention:
+            g = group_of.get(id(node))
+            if g is not None:
+                g.notes.append(f"attention at {node.loc or '?'} not fused: {why}")
         groups = list(self.groups.values())
         _drop_stored_reshapes(groups, stored, self.outputs)
         pos = self.pos
@@ -162,6 +180,21 @@ class _Fusion:
             g.outputs = [m for m in g.members if id(m) in stored]
         groups.sort(key=lambda g: pos[id(g.members[-1])])
         return self.dependency_order(groups)
+
+    def form_attention_groups(self) -> set[int]:
+        """One ``attention`` group per matched chain (anchored at ``O``; every member depends on
+        ``S``, its root); returns the ids of the probability operands, which stay unstored."""
+        found, self.refused_attention = match_attention(self.graph, self.users)
+        probs: set[int] = set()
+        for a in found:
+            g = Group("attention", a.out, list(a.members), attention=a)
+            for m in a.members:
+                self.group_of[id(m)] = g
+            self.groups[id(g)] = g
+            self.roots[id(g)] = [a.scores]
+            probs.add(id(a.probs))
+        self.work.add("fusion: attention chains", len(found))
+        return probs
 
     def new_group(self, kind: str, anchor: Node) -> Group:
         g = Group(kind, anchor, [anchor])
@@ -426,7 +459,7 @@ class _Fusion:
             return
         group_of = self.group_of
         direct = {id(g): g for g in (group_of.get(id(i)) for i in n.inputs) if g is not None}
-        contractions = [g for g in direct.values() if g.kind in ("matmul", "conv")]
+        contractions = [g for g in direct.values() if g.kind in ("matmul", "conv", "attention")]
         for g in sorted(contractions, key=lambda g: -len(g.members)):
             # Pointwise on the accumulator (reshapes included: the element is the same); the other
             # operands are loaded, so they must not depend on this kernel.

@@ -19,6 +19,7 @@ from sextant.graph.reference import eval_node
 from sextant.kernel import simplify_kernel, verify_kernel
 from sextant.kernel.ir import Kernel
 from sextant.schedule import memory
+from sextant.schedule.attention import attention_kernel
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, external_buffers
@@ -184,7 +185,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         if n.op == "param":
             constants[buffer(n, "param")] = graph.params[n.attr("name")]
     graph_outputs = {id(o) for o in graph.outputs}
-    mappings = GPU_MAPPINGS if target.is_gpu else MAPPINGS
+    mappings = {**(GPU_MAPPINGS if target.is_gpu else MAPPINGS), "attention": attention_kernel}
     unique: dict[Kernel, str] = {}
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []

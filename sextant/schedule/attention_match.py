@@ -1,0 +1,244 @@
+"""Finding attention in the graph: ``softmax(f(Q·Kᵀ))·V`` chains that become one fused kernel.
+
+Both sources of attention reach the graph IR as the same primitive chain — sextant's SDPA
+lowering (``frontend/lowerings/attention.py``) and the explicit chains HF models write
+(``matmul → scale → mask → softmax → matmul``), whose softmax lowers through the same
+``softmax_terms``::
+
+    S = matmul(Q, Kᵀ)                         the scores
+    Z = f(S, masks, iota, constants)          elementwise, same shape as S (scale, masks, casts)
+    m = max(Z, -1)   e = exp(Z - m)   s = sum(e, -1)
+    P = g(e / s)                              casts, and ``where(m == -inf, 0, .)`` (rows fully masked)
+    O = matmul(P, V)
+
+A fused kernel never materialises ``S``, ``Z`` or ``P``: it streams the keys and values past a
+resident tile of queries with an online softmax. That is only sound when nothing else reads
+those intermediates, so each condition is checked and, for a chain that reaches ``O`` through a
+softmax but fails one, the reason is returned for the schedule dump.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sextant.graph.ir import Graph, Node
+from sextant.graph.ops import is_elementwise
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One matched chain. ``members``: every node the fused kernel computes, in graph order."""
+
+    scores: Node  # S = matmul(Q, Kᵀ)
+    logits: Node  # Z, the row max's operand
+    row_max: Node
+    exp: Node
+    row_sum: Node
+    probs: Node  # P, the second matmul's left operand
+    out: Node  # O = matmul(P, V)
+    guarded: bool  # a row the mask hides entirely gives 0 (else NaN, as softmax of all -inf)
+    members: tuple[Node, ...]
+
+    @property
+    def q(self) -> Node:
+        return self.scores.inputs[0]
+
+    @property
+    def kt(self) -> Node:
+        return self.scores.inputs[1]
+
+    @property
+    def v(self) -> Node:
+        return self.out.inputs[1]
+
+
+def _strip_expand(n: Node) -> Node:
+    while n.op == "expand":
+        n = n.inputs[0]
+    return n
+
+
+def _is_full(n: Node, value: float) -> bool:
+    n = _strip_expand(n)
+    if n.op != "full":
+        return False
+    v = n.attr("value")
+    return v == value or (math.isinf(value) and math.isinf(v) and (v > 0) == (value > 0))
+
+
+def _last_axis_reduce(n: Node, fn: str) -> bool:
+    return n.op == "reduce" and n.attr("fn") == fn and tuple(n.attr("axes")) == (n.inputs[0].type.rank - 1,)
+
+
+def _row_guard(n: Node) -> Node | None:
+    """The row max ``m`` when ``n`` is ``where(m == -inf, 0, x)`` (the fully-masked-row guard)."""
+    if n.op != "where" or not _is_full(n.inputs[1], 0.0):
+        return None
+    cond = _strip_expand(n.inputs[0])
+    if cond.op != "eq":
+        return None
+    a, b = cond.inputs
+    if _is_full(b, -math.inf):
+        return _strip_expand(a)
+    if _is_full(a, -math.inf):
+        return _strip_expand(b)
+    return None
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _softmax_of(probs: Node) -> tuple[Node, list[Node], Node | None]:
+    """(the ``e / s`` division, the cast/guard nodes above it, the guard's row max) of ``P``."""
+    above: list[Node] = []
+    guard_max = None
+    x = probs
+    while True:
+        if x.op == "cast":
+            above.append(x)
+            x = x.inputs[0]
+            continue
+        m = _row_guard(x)
+        if m is not None and guard_max is None:
+            above.append(x)
+            guard_max = m
+            x = x.inputs[2]
+            continue
+        break
+    if x.op != "div":
+        raise _NoMatch("not softmax")
+    return x, above, guard_max
+
+
+def match_attention(graph: Graph, users: dict[Node, list[Node]]) -> tuple[list[Attention], list[tuple[Node, str]]]:
+    """Every attention chain of ``graph`` that can be fused, and ``(O, reason)`` for each
+    softmax-times-matrix product that looks like attention but cannot be."""
+    outputs = {id(o) for o in graph.outputs}
+    found: list[Attention] = []
+    refused: list[tuple[Node, str]] = []
+    taken: set[int] = set()
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    for out in graph.nodes:
+        if out.op != "matmul" or id(out) in taken:
+            continue
+        try:
+            div, above, guard_max = _softmax_of(out.inputs[0])
+        except _NoMatch:
+            continue
+        try:
+            found.append(_match(out, div, above, guard_max, users, outputs, taken, pos))
+            taken.update(id(m) for m in found[-1].members)
+        except _NoMatch as why:
+            refused.append((out, str(why)))
+    return found, refused
+
+
+def _match(out: Node, div: Node, above: list[Node], guard_max: Node | None, users: dict[Node, list[Node]],
+           outputs: set[int], taken: set[int], pos: dict[Node, int]) -> Attention:
+    e, sx = div.inputs
+    s = _strip_expand(sx)
+    if not (e.op == "exp" and _last_axis_reduce(s, "sum") and s.inputs[0] is e):
+        raise _NoMatch("the left operand is not exp(x - max) / sum(exp(x - max)) over the last axis")
+    sub = e.inputs[0]
+    if sub.op != "sub":
+        raise _NoMatch("the softmax does not subtract its row max")
+    z, mx = sub.inputs
+    m = _strip_expand(mx)
+    if not (_last_axis_reduce(m, "max") and m.inputs[0] is z):
+        raise _NoMatch("the softmax's shift is not the row max of its operand")
+    if guard_max is not None and guard_max is not m:
+        raise _NoMatch("the fully-masked-row guard tests another row max")
+    chain: list[Node] = [*above, div, *_expands(sx), s, e, sub, *_expands(mx), m]
+    if guard_max is not None:
+        chain += _guard_nodes(above)
+    # Z's producers, down to the one matmul reached through same-shape elementwise ops
+    path, scores = _logit_path(z)
+    chain += path
+    rank = scores.type.rank
+    if rank < 2 or out.type.rank != rank:
+        raise _NoMatch("scores of rank < 2")
+    q, kt, v = scores.inputs[0], scores.inputs[1], out.inputs[1]
+    if not (q.shape[:-2] == kt.shape[:-2] == v.shape[:-2] == scores.shape[:-2]) or v.shape[-2] != kt.shape[-1]:
+        raise _NoMatch("Q, K and V disagree on batch dims or sequence length")
+    members = {id(n): n for n in [scores, *chain, out]}
+    for n in members.values():
+        if id(n) in taken:
+            raise _NoMatch(f"{n.op} at {n.loc or '?'} already belongs to another attention")
+        if id(n) in outputs and n is not out:
+            raise _NoMatch(f"the {_role(n, scores, m, s, div)} ({n.op} at {n.loc or '?'}) is a graph output")
+        if n is not out and any(id(u) not in members for u in users[n]):
+            raise _NoMatch(f"the {_role(n, scores, m, s, div)} ({n.op} at {n.loc or '?'}) is also read "
+                           "outside the attention")
+    order = sorted(members.values(), key=pos.__getitem__)
+    return Attention(scores, z, m, e, s, out.inputs[0], out, guard_max is not None, tuple(order))
+
+
+def _role(n: Node, scores: Node, m: Node, s: Node, div: Node) -> str:
+    names = {id(scores): "score matrix", id(m): "row max", id(s): "row sum", id(div): "probability matrix"}
+    return names.get(id(n), "intermediate")
+
+
+def _expands(n: Node) -> list[Node]:
+    out = []
+    while n.op == "expand":
+        out.append(n)
+        n = n.inputs[0]
+    return out
+
+
+def _guard_nodes(above: list[Node]) -> list[Node]:
+    """The condition and constant nodes of the guard ``where`` (they read only the row max)."""
+    out: list[Node] = []
+    for w in above:
+        if w.op != "where":
+            continue
+        stack = [w.inputs[0], w.inputs[1]]
+        while stack:
+            x = stack.pop()
+            if x.op in ("expand", "eq") and not _is_full(x, -math.inf):  # constants stay free
+                out.append(x)
+                stack.extend(x.inputs)
+    return out
+
+
+def _logit_path(z: Node) -> tuple[list[Node], Node]:
+    """(the elementwise nodes between ``Z`` and ``S``, ``S``): ``S`` is the one matmul reached from
+    ``Z`` through elementwise ops of ``Z``'s shape; other operands of those ops (masks, iota,
+    constants) are read as they are."""
+    shape = z.shape
+    path: list[Node] = []
+    scores: list[Node] = []
+    stack, seen = [z], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.op == "matmul" and x.shape == shape:
+            scores.append(x)
+        elif is_elementwise(x.op) and x.shape == shape and _reads_matmul(x):
+            path.append(x)
+            stack.extend(x.inputs)
+    if len(scores) != 1:
+        raise _NoMatch("the softmax's operand is not computed from one Q·Kᵀ by elementwise ops"
+                       if not scores else "the softmax's operand reads several matmuls")
+    return path, scores[0]
+
+
+def _reads_matmul(x: Node, limit: int = 64) -> bool:
+    """Whether a matmul is reachable from ``x`` through elementwise ops of its shape (bounded:
+    mask trees are small, and a chain longer than ``limit`` is not an attention's logits)."""
+    stack, seen = [x], set()
+    while stack and len(seen) < limit:
+        y = stack.pop()
+        if id(y) in seen:
+            continue
+        seen.add(id(y))
+        if y.op == "matmul" and y.shape == x.shape:
+            return True
+        if is_elementwise(y.op) and y.shape == x.shape:
+            stack.extend(y.inputs)
+    return False
+
