@@ -6,7 +6,7 @@ lowering (``frontend/lowerings/attention.py``) and the explicit chains HF models
 ``softmax_terms``::
 
     S = matmul(Q, Kᵀ)                         the scores
-    Z = f(S, masks, iota, constants)          elementwise, same shape as S (scale, masks, casts)
+    Z = f(S, masks, iota, constants)          elementwise, S's rows (scale, masks, casts, batch reshapes)
     m = max(Z, -1)   e = exp(Z - m)   s = sum(e, -1)
     P = g(e / s)                              casts, and ``where(m == -inf, 0, .)`` (rows fully masked)
     O = matmul(P, V)
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import is_elementwise
+from sextant.kernel.ir import Expr
+from sextant.schedule.indexing import delinearize
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,24 @@ class Attention:
     @property
     def v(self) -> Node:
         return self.out.inputs[1]
+
+
+def at(n: Node, batch: Expr, row: Expr, col: Expr) -> tuple[Expr, ...]:
+    """The index of element ``(row, col)`` of ``n`` in the attention's ``batch``-th matrix (a linear
+    index over the batch dims: the chain's nodes may split them differently)."""
+    lead = n.shape[:-2]
+    return (*(delinearize(batch, lead) if lead else ()), row, col)
+
+
+def _batch_reshape(n: Node) -> bool:
+    """A reshape that only merges or splits batch dims (the last two stay): attention written as a
+    3-D ``bmm`` over ``batch·heads`` between 4-D masks and views."""
+    return n.op == "reshape" and n.shape[-2:] == n.inputs[0].shape[-2:] and n.type.rank >= 2 \
+        and n.inputs[0].type.rank >= 2
+
+
+def _same_rows(a: Node, shape: tuple, numel: int) -> bool:
+    return a.shape[-2:] == shape[-2:] and a.type.numel == numel
 
 
 def _strip_expand(n: Node) -> Node:
@@ -96,7 +116,7 @@ def _softmax_of(probs: Node) -> tuple[Node, list[Node], Node | None]:
     guard_max = None
     x = probs
     while True:
-        if x.op == "cast":
+        if x.op == "cast" or _batch_reshape(x):
             above.append(x)
             x = x.inputs[0]
             continue
@@ -156,11 +176,11 @@ def _match(out: Node, div: Node, above: list[Node], guard_max: Node | None, user
     # Z's producers, down to the one matmul reached through same-shape elementwise ops
     path, scores = _logit_path(z)
     chain += path
-    rank = scores.type.rank
-    if rank < 2 or out.type.rank != rank:
+    if scores.type.rank < 2 or out.type.rank < 2:
         raise _NoMatch("scores of rank < 2")
-    q, kt, v = scores.inputs[0], scores.inputs[1], out.inputs[1]
-    if not (q.shape[:-2] == kt.shape[:-2] == v.shape[:-2] == scores.shape[:-2]) or v.shape[-2] != kt.shape[-1]:
+    kt, v = scores.inputs[1], out.inputs[1]
+    if v.shape[:-2] != out.shape[:-2] or v.shape[-2] != kt.shape[-1] \
+            or math.prod(scores.shape[:-2]) != math.prod(out.shape[:-2]):
         raise _NoMatch("Q, K and V disagree on batch dims or sequence length")
     members = {id(n): n for n in [scores, *chain, out]}
     for n in members.values():
@@ -205,9 +225,9 @@ def _guard_nodes(above: list[Node]) -> list[Node]:
 
 def _logit_path(z: Node) -> tuple[list[Node], Node]:
     """(the elementwise nodes between ``Z`` and ``S``, ``S``): ``S`` is the one matmul reached from
-    ``Z`` through elementwise ops of ``Z``'s shape; other operands of those ops (masks, iota,
-    constants) are read as they are."""
-    shape = z.shape
+    ``Z`` through elementwise ops (and batch reshapes) of ``Z``'s rows; other operands of those
+    ops (masks, iota, constants) are read as they are."""
+    shape, numel = z.shape, z.type.numel
     path: list[Node] = []
     scores: list[Node] = []
     stack, seen = [z], set()
@@ -216,9 +236,9 @@ def _logit_path(z: Node) -> tuple[list[Node], Node]:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if x.op == "matmul" and x.shape == shape:
+        if x.op == "matmul" and _same_rows(x, shape, numel):
             scores.append(x)
-        elif is_elementwise(x.op) and x.shape == shape and _reads_matmul(x):
+        elif (is_elementwise(x.op) or _batch_reshape(x)) and _same_rows(x, shape, numel) and _reads_matmul(x):
             path.append(x)
             stack.extend(x.inputs)
     if len(scores) != 1:
@@ -236,9 +256,9 @@ def _reads_matmul(x: Node, limit: int = 64) -> bool:
         if id(y) in seen:
             continue
         seen.add(id(y))
-        if y.op == "matmul" and y.shape == x.shape:
+        if y.op == "matmul" and _same_rows(y, x.shape, x.type.numel):
             return True
-        if is_elementwise(y.op) and y.shape == x.shape:
+        if (is_elementwise(y.op) or _batch_reshape(y)) and _same_rows(y, x.shape, x.type.numel):
             stack.extend(y.inputs)
     return False
 

@@ -41,7 +41,8 @@ from sextant.kernel.ir import (
     Unary,
     Var,
 )
-from sextant.schedule.indexing import accum_dtype, c, delinearize, iadd, idiv, imin, imod, imul
+from sextant.schedule.attention_match import at
+from sextant.schedule.indexing import accum_dtype, c, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import _chunks, _lane_split, _loop, _row_loop, reduce_lanes, setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
@@ -74,9 +75,9 @@ def rows_attention_kernel(group: Group, stored: set[int], target: TargetDesc, na
         _loop(e, n, body, prefix, start=start, stop=stop)
 
     def row(r: Expr) -> None:
-        bidx = delinearize(idiv(r, n_q), batch) if batch else ()
+        bl = e.bind(idiv(r, n_q), "b") if batch else c(0)
         i = e.bind(imod(r, n_q), "i") if batch else r
-        loop(dim, lambda d: e.emit(Store("qv", d, _as(e.value(q, (*bidx, i, d)), dot_t))), "d")
+        loop(dim, lambda d: e.emit(Store("qv", d, _as(e.value(q, at(q, bl, i, d)), dot_t))), "d")
         loop(dim_v, lambda d: e.emit(Store("ov", d, Const(0.0, acc_t))), "d")
         m, s = e.var("m", acc_t), e.var("l", acc_t)
         e.emit(Assign(m, neg_inf))
@@ -93,7 +94,7 @@ def rows_attention_kernel(group: Group, stored: set[int], target: TargetDesc, na
                     j = e.bind(imin(j, c(n_kv - 1)), "j")
 
                 def term(d: Expr) -> Expr:
-                    return Binary("mul", Load("qv", d, dot_t), _as(e.value(kt, (*bidx, d, j)), dot_t), dot_t)
+                    return Binary("mul", Load("qv", d, dot_t), _as(e.value(kt, at(kt, bl, d, j)), dot_t), dot_t)
 
                 dot = e.var("dot", dot_t)
                 e.emit(Assign(dot, Const(0.0, dot_t)))
@@ -102,7 +103,7 @@ def rows_attention_kernel(group: Group, stored: set[int], target: TargetDesc, na
                 else:
                     loop(dim, lambda d: e.emit(Assign(dot, Binary("add", dot, term(d), dot_t))), "d")
                 e.regs[id(att.scores)] = e.bind(Cast(dot, att.scores.dtype)) if dot_t != att.scores.dtype else dot
-                z = _as(e.value(att.logits, (*bidx, i, j)), acc_t)
+                z = _as(e.value(att.logits, at(att.logits, bl, i, j)), acc_t)
                 e.regs.pop(id(att.scores))
                 if n_kv % tile:
                     z = e.bind(Select(valid, z, neg_inf, acc_t), "z")
@@ -125,7 +126,7 @@ def rows_attention_kernel(group: Group, stored: set[int], target: TargetDesc, na
                 j = iadd(j0, jj)
 
                 def update(d: Var) -> None:
-                    pv = Binary("mul", p, _as(e.value(v, (*bidx, j, d)), acc_t), acc_t)
+                    pv = Binary("mul", p, _as(e.value(v, at(v, bl, j, d)), acc_t), acc_t)
                     e.emit(Store("ov", d, Binary("add", Load("ov", d, acc_t), pv, acc_t)))
 
                 if n_kv % tile:
@@ -149,7 +150,7 @@ def rows_attention_kernel(group: Group, stored: set[int], target: TargetDesc, na
         def store(d: Var) -> None:
             val = Binary("mul", Load("ov", d, acc_t), inv, acc_t)
             e.regs[id(out)] = e.bind(_as(val, out.dtype), "o")
-            store_epilogue(e, group, (*bidx, i, d))
+            store_epilogue(e, group, at(out, bl, i, d))
             e.regs.pop(id(out))
 
         loop(dim_v, store, "d")

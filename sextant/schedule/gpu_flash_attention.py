@@ -1,4 +1,267 @@
-"""placeholder"""
-def flash_refusal(group, target):
-    return "not yet"
-def gpu_flash_attention_kernel(*a): raise NotImplementedError
+"""Flash attention on tensor cores: one kernel for ``softmax(f(Q·Kᵀ))·V`` with f16/bf16 operands.
+
+The mapping (one thread block of 4 warps per ``BR = 64`` query rows of one batch/head):
+
+* **Q stays resident.** The block's Q tile is staged through shared memory once and every
+  warp keeps its 16 rows as ``ldmatrix`` A fragments (``D/16`` k-steps) for the whole kernel.
+* **K and V stream** through shared memory in tiles of ``BC = 64`` keys. K is staged key-major
+  (``BC × D``, rows contiguous along the head dim): exactly ``mma``'s "col" B operand for
+  ``S = Q·Kᵀ``, read by plain ``ldmatrix``; V is staged ``BC × Dv`` and read by
+  ``ldmatrix.trans``, as the GEMM reads a row-major B. Rows are padded by 8 elements (an odd
+  number of 16-byte groups per row): every ldmatrix is conflict-free.
+* **The softmax is online, in registers.** A warp's ``16 × BC`` scores are its ``mma``
+  accumulators (C layout: lane ``l`` holds rows ``l/4`` and ``l/4 + 8``); the fused logit ops
+  (scale, causal/boolean/additive masks, casts) run on each accumulator element at its
+  ``(row, key)``; the row max is the lane's own max combined over its quad (a width-4
+  butterfly); the running max, sum and the output accumulators are rescaled by
+  ``exp(m_old - m_new)`` per tile.
+* **P never leaves the registers.** The C fragment of two adjacent 16×8 score tiles holds the
+  same ``(row, key)`` pairs as the A fragment of one 16×16 tile (``kernel.fragments``), so the
+  probabilities are cast to f16/bf16 in place and fed to ``O += P·V`` directly.
+* **Epilogue**: ``O / l`` (0 for a fully masked row when the graph asks for it), cast, and the
+  group's fused epilogue, stored at the C layout's positions.
+
+Accumulation is f32 for both products, as FlashAttention's; ``P`` is rounded to the operand
+dtype before the second product (FlashAttention does the same), which stays within f16
+tolerance of eager's f32 softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.kernel.fragments import MMA_SHAPES
+from sextant.kernel.ir import (
+    Assign,
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    Kernel,
+    LdMatrix,
+    Load,
+    Mma,
+    Select,
+    Store,
+    Unary,
+    Var,
+    WarpReduce,
+)
+from sextant.schedule.attention_match import Attention, at
+from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
+from sextant.schedule.gpu_mma import PAD, TC_DTYPES, sm_version
+from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imin, imod, imul
+from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
+BR, BC = 64, 64  # query rows per block (16 per warp), keys per streamed tile
+WARPS = BR // 16
+MAX_HEAD = 128  # head sizes up to this keep Q fragments and O accumulators in registers
+
+
+def half_dtype(x: Node) -> DType | None:
+    """The 16-bit float type whose values ``x`` holds exactly: its own dtype, or that of the
+    tensor an upcast read through re-indexing ops (SDPA's lowering computes in f32 from f16
+    inputs; casting those values back is exact)."""
+    while True:
+        if x.dtype in TC_DTYPES:
+            return x.dtype
+        if x.op == "cast" and x.inputs[0].dtype in TC_DTYPES:
+            return x.inputs[0].dtype
+        if x.op not in ("reshape", "permute", "expand", "slice"):
+            return None
+        x = x.inputs[0]
+
+
+def flash_refusal(group: Group, target: TargetDesc) -> str | None:
+    """Why the tensor-core kernel cannot compute ``group``, or None when it can."""
+    att = group.attention
+    assert att is not None
+    if sm_version(target) < 80:
+        return f"mma.sync needs sm_80 or newer, not {target.name}"
+    types = {half_dtype(x) for x in (att.q, att.kt, att.v)}
+    if None in types:
+        return "Q, K or V is not f16/bf16 (f32 attention runs on CUDA cores)"
+    if len(types) != 1:
+        return "Q, K and V mix f16 and bf16"
+    d, dv = att.q.shape[-1], att.v.shape[-1]
+    if d % 16 or dv % 16 or d > MAX_HEAD or dv > MAX_HEAD:
+        return f"head sizes {d}/{dv} are not multiples of 16 up to {MAX_HEAD}"
+    return None
+
+
+def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    att = group.attention
+    assert att is not None and flash_refusal(group, target) is None
+    dt = half_dtype(att.q)
+    assert dt is not None
+    acc_t = DType.f32
+    q, kt, v, out = att.q, att.kt, att.v, att.out
+    *batch, n_q, d = q.shape
+    n_kv, dv = kt.shape[-1], v.shape[-1]
+    e, params, _ = setup_kernel(group, stored)
+    grid, (bq, bz, _) = _grid(e, (-(-n_q // BR), math.prod(batch), 1))
+    k_stride, v_stride = d + PAD, dv + PAD
+    shared = [Buffer("Ks", dt, BC * k_stride, "shared"), Buffer("Vs", dt, BC * v_stride, "shared")]
+    n_s, n_o = BC // 8, dv // 8  # 16x8 accumulator tiles of S and of O per warp
+    local = (Buffer("fq", dt, d // 16 * MMA.a_elems, "local"), Buffer("fb", dt, 2 * MMA.b_elems, "local"),
+             Buffer("sacc", acc_t, n_s * MMA.c_elems, "local"), Buffer("fp", dt, n_s * MMA.c_elems, "local"),
+             Buffer("oacc", acc_t, n_o * MMA.c_elems, "local"))
+    t = TID_X
+    lane = e.bind(imod(t, 32), "lane")
+    wrow = e.bind(imul(idiv(t, 32), 16), "wrow")  # the warp's first row in the block tile
+    q0 = e.bind(imul(bq, BR), "q0")
+    g, tq = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "tq")  # C layout: row g (+8), col 2t (+1)
+    neg_inf, zero = Const(-math.inf, acc_t), Const(0.0, acc_t)
+
+    def half(x: Node, idx: tuple) -> Expr:
+        value = e.value(x, idx)
+        return value if value.dtype == dt else Cast(value, dt)
+
+    def stage(buf: str, rows: int, cols: int, stride: int, row0: Expr, row_lim: int,
+              element: Callable[[Expr, Expr], Expr]) -> None:
+        """``buf[r·stride + col] = element(row0 + r, col)``, zero for rows past ``row_lim``;
+        consecutive threads take consecutive columns (coalesced along the head dim)."""
+        for p in range(rows * cols // (32 * WARPS)):
+            el = iadd(t, c(p * 32 * WARPS))
+            r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
+            gr = e.bind(iadd(row0, r), "gr")
+            slot = iadd(imul(r, stride), col)
+            guard = _bool("lt", gr, c(row_lim)) if row_lim % rows else None
+            _guarded(e, guard, lambda slot=slot, gr=gr, col=col: e.emit(Store(buf, slot, element(gr, col))),
+                     lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
+
+    # Q: staged through Ks (free until the first K tile), then held as A fragments
+    stage("Ks", BR, d, k_stride, q0, n_q, lambda r, col: half(q, at(q, bz, r, col)))
+    e.emit(Barrier())
+    a_row, a_col = iadd(wrow, imod(lane, 16)), imul(idiv(lane, 16), 8)
+    for ks in range(d // 16):
+        e.emit(LdMatrix("fq", c(ks * MMA.a_elems), "Ks", iadd(imul(a_row, k_stride), iadd(a_col, c(ks * 16))), 4))
+    _strided_loop(e, c(0), n_o * MMA.c_elems, 1, lambda u: e.emit(Store("oacc", u, zero)), "u", unroll=True)
+    m = [e.var("m", acc_t) for _ in range(2)]  # running max and (lane-partial) sum of rows g, g + 8
+    s = [e.var("l", acc_t) for _ in range(2)]
+    for h in range(2):
+        e.emit(Assign(m[h], neg_inf))
+        e.emit(Assign(s[h], zero))
+    # rows of this lane, clamped for the logit ops' loads (rows past n_q are computed, never stored)
+    rows = [e.bind(iadd(q0, iadd(wrow, iadd(g, c(8 * h)))), "row") for h in range(2)]
+    rows_c = [e.bind(imin(r, c(n_q - 1)), "rc") if n_q % BR else r for r in rows]
+    # ldmatrix addresses: K (key-major, as the GEMM's N×K B) and V (.trans, as its K×N B)
+    kb_row, kb_col = iadd(imul(idiv(lane, 16), 8), imod(lane, 8)), imul(imod(idiv(lane, 8), 2), 8)
+    vb_row, vb_col = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8)), imul(idiv(lane, 16), 8)
+
+    def kv_tile(j0: Expr, ragged: bool) -> None:
+        """One tile of keys from ``j0``; ``ragged``: the last, partial tile (its key checks are
+        kept out of the main loop, where they would cost registers)."""
+        lim = n_kv if ragged else BC
+        e.emit(Barrier())  # every warp is done with the previous tile (and with Q's staging)
+        stage("Ks", BC, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)))
+        stage("Vs", BC, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)))
+        e.emit(Barrier())
+        _strided_loop(e, c(0), n_s * MMA.c_elems, 1, lambda u: e.emit(Store("sacc", u, zero)), "u", unroll=True)
+        for ks in range(d // 16):  # S = Q·Kᵀ
+            for p in range(n_s // 2):
+                addr = iadd(imul(iadd(kb_row, c(p * 16)), k_stride), iadd(kb_col, c(ks * 16)))
+                e.emit(LdMatrix("fb", c(0), "Ks", addr, 4))
+                for y in (2 * p, 2 * p + 1):
+                    off = c(y * MMA.c_elems)
+                    e.emit(Mma((16, 8, 16), "sacc", off, "fq", c(ks * MMA.a_elems), "fb",
+                               c((y - 2 * p) * MMA.b_elems), "sacc", off))
+        tmax = [e.var("tmax", acc_t) for _ in range(2)]
+        for h in range(2):
+            e.emit(Assign(tmax[h], neg_inf))
+        for y in range(n_s):  # the logits, in place, and this lane's row maxima
+            for i in range(MMA.c_elems):
+                h = i >> 1
+                slot = c(y * MMA.c_elems + i)
+                col = e.bind(iadd(iadd(j0, tq), c(8 * y + i % 2)), "key")
+                z = _logit(e, att, bz, rows_c[h], col, Load("sacc", slot, acc_t), n_kv if ragged else None)
+                e.emit(Store("sacc", slot, z))
+                e.emit(Assign(tmax[h], Binary("maximum", tmax[h], z, acc_t)))
+        shift = []
+        for h in range(2):
+            full = e.var("tm", acc_t)
+            e.emit(WarpReduce(full, "max", tmax[h], 4))  # the quad holding row g (+8)
+            m_new = e.bind(Binary("maximum", m[h], full, acc_t), "mn")
+            sh = e.bind(Select(Binary("eq", m_new, neg_inf, DType.bool), zero, m_new, acc_t), "sh")
+            corr = e.bind(Unary("exp", Binary("sub", m[h], sh, acc_t), acc_t), "corr")
+            e.emit(Assign(s[h], Binary("mul", s[h], corr, acc_t)))
+            for y in range(n_o):
+                for i in (2 * h, 2 * h + 1):
+                    slot = c(y * MMA.c_elems + i)
+                    e.emit(Store("oacc", slot, Binary("mul", Load("oacc", slot, acc_t), corr, acc_t)))
+            e.emit(Assign(m[h], m_new))
+            shift.append(sh)
+        for y in range(n_s):  # P = exp(z - m), kept as the A fragments of P·V (same lanes, same slots)
+            for i in range(MMA.c_elems):
+                slot = c(y * MMA.c_elems + i)
+                p_val = e.bind(Unary("exp", Binary("sub", Load("sacc", slot, acc_t), shift[i >> 1], acc_t), acc_t), "p")
+                e.emit(Assign(s[i >> 1], Binary("add", s[i >> 1], p_val, acc_t)))
+                e.emit(Store("fp", slot, Cast(p_val, dt)))
+        for kk in range(BC // 16):  # O += P·V
+            for p in range(n_o // 2):
+                addr = iadd(imul(iadd(vb_row, c(kk * 16)), v_stride), iadd(vb_col, c(p * 16)))
+                e.emit(LdMatrix("fb", c(0), "Vs", addr, 4, trans=True))
+                for y in (2 * p, 2 * p + 1):
+                    off = c(y * MMA.c_elems)
+                    e.emit(Mma((16, 8, 16), "oacc", off, "fp", c(kk * MMA.a_elems), "fb",
+                               c((y - 2 * p) * MMA.b_elems), "oacc", off))
+
+    full = n_kv // BC
+    if full:
+        _strided_loop(e, c(0), full * BC, BC, lambda j0: kv_tile(j0, False), "j0")
+    if n_kv % BC:
+        with e.scope() as tail:
+            kv_tile(c(full * BC), True)
+        e.stmts.extend(tail)
+    inv = []
+    for h in range(2):
+        total = e.var("lsum", acc_t)
+        e.emit(WarpReduce(total, "sum", s[h], 4))
+        r = e.bind(Binary("div", Const(1.0, acc_t), total, acc_t), "inv")
+        if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
+            r = e.bind(Select(Binary("eq", m[h], neg_inf, DType.bool), zero, r, acc_t), "inv")
+        inv.append(r)
+    for y in range(n_o):
+        for i in range(MMA.c_elems):
+            h = i >> 1
+            col = e.bind(iadd(tq, c(8 * y + i % 2)), "dcol")
+            slot = c(y * MMA.c_elems + i)
+
+            def store(h: int = h, col: Expr = col, slot: Expr = slot) -> None:
+                val = Binary("mul", Load("oacc", slot, acc_t), inv[h], acc_t)
+                e.regs[id(out)] = e.bind(val if out.dtype == acc_t else Cast(val, out.dtype), "o")
+                store_epilogue(e, group, at(out, bz, rows[h], col))
+                e.regs.pop(id(out))
+
+            _guarded(e, _and([_bool("lt", rows[h], c(n_q))]) if n_q % BR else None, store)
+    _check_shared(name, shared, target)
+    meta = {"mapping": "flash-attention-tensor-core", "tile": (BR, BC), "warps": WARPS,
+            "mma": "m16n8k16." + dt.value, "head": (d, dv)}
+    return Kernel(name, tuple(params), grid, (32 * WARPS, 1, 1), tuple(e.stmts), shared=tuple(shared),
+                  local=local, meta=meta)
+
+
+def _logit(e: ValueEmitter, att: Attention, bz: Expr, row: Expr, key: Expr, score: Expr, n_kv: int | None) -> Expr:
+    """``Z`` at ``(row, key)`` from the score accumulator: the fused scale/mask ops; with ``n_kv``
+    (the ragged tile), -inf past the last key (whose loads read the last key instead)."""
+    acc_t = DType.f32
+    valid = None
+    if n_kv is not None:
+        valid = e.bind(_bool("lt", key, c(n_kv)), "kin")
+        key = e.bind(imin(key, c(n_kv - 1)), "kc")
+    sc = att.scores
+    e.regs[id(sc)] = e.bind(score if sc.dtype == acc_t else Cast(score, sc.dtype), "sc")
+    z = e.value(att.logits, at(att.logits, bz, row, key))
+    e.regs.pop(id(sc))
+    z = z if z.dtype == acc_t else e.bind(Cast(z, acc_t), "z")
+    if valid is not None:
+        z = e.bind(Select(valid, z, Const(-math.inf, acc_t), acc_t), "z")
+    return z

@@ -69,18 +69,18 @@ def test_transformer_block_kernels() -> None:
     model, args = EXAMPLES["transformer-block"]()
     p = _program(model, *args)
     kinds = [p.groups[launch.group].kind for launch in p.launches]
-    # LN1, qkv, q@k^T (+scale, mask), softmax (+all-masked-row fixup), @v, proj (+residual),
+    # LN1, qkv, attention (q@k^T, scale, mask, softmax, all-masked-row fixup, @v), proj (+residual),
     # LN2, fc1 (+GELU), fc2 (+residual)
-    assert kinds == ["reduce", "matmul", "matmul", "reduce", "matmul", "matmul", "reduce", "matmul", "matmul"]
+    assert kinds == ["reduce", "matmul", "attention", "matmul", "reduce", "matmul", "matmul"]
 
 
 def test_gpt2_kernel_count_is_pinned() -> None:
-    """2-layer GPT-2: per layer 9 kernels (LN, qkv, QK^T + scale + causal mask, softmax, PV,
-    out-proj + residual, LN, fc + GELU(tanh), proj + residual), then the final LN and the LM head
-    (the token/position embedding gathers are fused into the first LN)."""
+    """2-layer GPT-2: per layer 7 kernels (LN, qkv, fused attention, out-proj + residual, LN,
+    fc + GELU(tanh), proj + residual), then the final LN and the LM head (the token/position
+    embedding gathers are fused into the first LN)."""
     model, args = EXAMPLES["gpt2"]()
     p = _program(model, *args)
-    assert len(p.launches) == 2 * 9 + 2, p.describe()
+    assert len(p.launches) == 2 * 7 + 2, p.describe()
 
 
 def test_identical_layers_compile_once() -> None:

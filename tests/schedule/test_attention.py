@@ -1,0 +1,210 @@
+"""Fused attention (``schedule/attention_match.py``, ``attention_rows.py``, ``gpu_flash_attention.py``):
+SDPA and the HF matmul → scale/mask → softmax → matmul chain become one kernel, on the CPU and
+through cuda-sim (the tensor-core flash kernel for f16/bf16 on sm_80+, the row kernel otherwise),
+matching eager at ragged sizes, with masks, fully masked rows and grouped-query heads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sextant
+from sextant.graph.passes import run_pipeline
+from sextant.schedule.program import schedule
+from sextant.schedule.target import cpu_target, gpu_target
+
+HALF = [torch.float16, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+class Sdpa(nn.Module):
+    def __init__(self, **kw: object) -> None:
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.kw)
+
+
+class ExplicitChain(nn.Module):
+    """Attention as HF's eager implementations write it: bmm, scale, additive mask, softmax, bmm."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = q.shape
+        w = torch.bmm(q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(1, 2)) / d**0.5
+        w = w.reshape(b, h, s, s) + bias
+        p = torch.softmax(w, dim=-1).to(v.dtype)
+        return torch.bmm(p.reshape(b * h, s, s), v.reshape(b * h, s, -1)).reshape(b, h, s, -1)
+
+
+class ReturnsWeights(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return p @ v, p
+
+
+def _case(name: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, tuple]:
+    """(module, inputs) of one attention variant."""
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if name == "causal":
+        return Sdpa(is_causal=True), (r(2, 3, 70, 16), r(2, 3, 70, 16), r(2, 3, 70, 16))
+    if name == "bool-mask":  # row 5 of batch 0 sees no key: eager gives 0 there
+        mask = torch.rand(2, 1, 33, 129, generator=g) > 0.4
+        mask[0, 0, 5] = False
+        return Sdpa(), (r(2, 2, 33, 32), r(2, 2, 129, 32), r(2, 2, 129, 32), mask)
+    if name == "additive-mask":
+        return Sdpa(scale=0.3), (r(1, 2, 7, 16), r(1, 2, 65, 16), r(1, 2, 65, 48), r(1, 2, 7, 65))
+    if name == "gqa":  # 4 query heads share 2 key/value heads
+        return Sdpa(is_causal=True, enable_gqa=True), (r(1, 4, 19, 32), r(1, 2, 19, 32), r(1, 2, 19, 32))
+    if name == "one-query":
+        return Sdpa(), (r(3, 2, 1, 16), r(3, 2, 130, 16), r(3, 2, 130, 16))
+    if name == "explicit-chain":
+        return ExplicitChain(), (r(2, 2, 24, 16), r(2, 2, 24, 16), r(2, 2, 24, 32), r(2, 1, 1, 24))
+    raise KeyError(name)
+
+
+CASES = ["causal", "bool-mask", "additive-mask", "gqa", "one-query", "explicit-chain"]
+
+
+def _attention_mappings(cm: object) -> list[str]:
+    program = cm.stages["program"]  # type: ignore[attr-defined]
+    return [program.kernels[launch.kernel].meta["mapping"] for launch in program.launches
+            if program.groups[launch.group].kind == "attention"]
+
+
+def _eager_f32(model: nn.Module, args: tuple) -> torch.Tensor:
+    return model(*(a.float() if a.is_floating_point() else a for a in args))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_attention_fuses_into_one_kernel_on_the_cpu(name: str) -> None:
+    model, args = _case(name)
+    cm = sextant.compile(model, args, target="cpu", cache=False)
+    program = cm.stages["program"]
+    assert [program.groups[launch.group].kind for launch in program.launches] == ["attention"], program.describe()
+    assert _attention_mappings(cm) == ["attention-rows"]
+    torch.testing.assert_close(cm(*args), model(*args), rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+def test_the_score_matrix_is_never_stored() -> None:
+    """The whole point: no buffer of the ``S × S`` score or probability shape is computed (the
+    causal mask, folded to a constant by the graph passes, is the only ``S × S`` operand)."""
+    model, args = _case("causal")
+    program = schedule(run_pipeline(sextant.capture(model, args)), cpu_target())
+    computed = [b.node.shape for b in program.buffers if b.kind in ("temp", "output")]
+    assert computed == [(2, 3, 70, 16)], computed
+
+
+def test_f32_attention_on_the_gpu_uses_the_row_kernel() -> None:
+    model, args = _case("bool-mask")
+    cm = sextant.compile(model, args, target="cuda-sim", cache=False)
+    assert _attention_mappings(cm) == ["attention-rows"]
+    kernel = next(iter(cm.stages["program"].kernels.values()))
+    assert "f32" in kernel.meta["tensor_cores"]  # the schedule says why not
+    torch.testing.assert_close(cm(*args), model(*args), rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_attention_runs_the_tensor_core_flash_kernel(name: str, dtype: torch.dtype,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda-sim executes the mma/ldmatrix fragments as the PTX ISA lays them out, race-checked; the
+    result is within half tolerance of f32 eager on the same half inputs."""
+    monkeypatch.setenv("SEXTANT_CHECK_RACES", "1")
+    model, args = _case(name, dtype)
+    cm = sextant.compile(model, args, target="cuda-sim", cache=False)
+    assert _attention_mappings(cm) == ["flash-attention-tensor-core"]
+    torch.testing.assert_close(cm(*args).float(), _eager_f32(model, args), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_flash_kernel_assembles_without_spills_and_runs_on_hmma(arch: str) -> None:
+    from sextant.codegen.ptxas import assemble
+    from sextant.codegen.sass import disassemble, find_disassembler
+
+    for d, s, causal in ((64, 256, True), (128, 128, False), (64, 200, True)):
+        q = torch.randn(2, 4, s, d).half()
+        cm = sextant.compile(Sdpa(is_causal=causal), (q, q, q), target="cuda-sim", arch=arch, cache=False)
+        assert _attention_mappings(cm) == ["flash-attention-tensor-core"]
+        ptx = cm.stages["ptx"].ptx
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+        res = assemble(ptx, arch)
+        for name, r in res.kernels.items():
+            assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (d, s, name, r)
+        tool = find_disassembler()
+        if tool is not None:
+            assert "HMMA.16816.F32" in disassemble(res.cubin, tool)
+
+
+def test_flash_kernel_counters() -> None:
+    """Conflict-free ldmatrix on the padded K/V tiles, and both products on tensor cores."""
+    from sextant.codegen.counters import count_program
+
+    q = torch.randn(1, 2, 100, 64).half()
+    program = schedule(run_pipeline(sextant.capture(Sdpa(is_causal=True), (q, q, q))), gpu_target("sm_90"))
+    (counted,) = count_program(program, (q, q, q)).values()
+    assert counted.bank_conflicts == 0, counted.summary()
+    # 2 tiles of 64 queries x 2 tiles of 64 keys x 2 heads; per warp and tile: S = 4 k-steps x 8, O = 4 x 8
+    assert counted.mma_instructions == 2 * 2 * 2 * 4 * (4 * 8 + 4 * 8), counted.summary()
+
+
+def test_tensor_cores_apply_only_where_they_can() -> None:
+    def mapping(model: nn.Module, args: tuple, arch: str) -> tuple[str, str]:
+        program = schedule(run_pipeline(sextant.capture(model, args)), gpu_target(arch))
+        (k,) = program.kernels.values()
+        return k.meta["mapping"], k.meta.get("tensor_cores", "")
+
+    half = torch.randn(1, 2, 16, 16).half()
+    assert mapping(Sdpa(), (half, half, half), "sm_80")[0] == "flash-attention-tensor-core"
+    m, why = mapping(Sdpa(), (half, half, half), "sm_75")
+    assert m == "attention-rows" and "sm_80" in why
+    odd = torch.randn(1, 2, 16, 24).half()
+    m, why = mapping(Sdpa(), (odd, odd, odd), "sm_90")
+    assert m == "attention-rows" and "head sizes 24/24" in why
+
+
+def test_unfusable_attention_is_reported() -> None:
+    """Returning the attention weights keeps the chain apart; the schedule dump says why."""
+    q = torch.randn(1, 2, 8, 16)
+    program = schedule(run_pipeline(sextant.capture(ReturnsWeights(), (q, q, q))), cpu_target())
+    assert "attention" not in [g.kind for g in program.groups]
+    assert any("not fused" in n and "probability matrix" in n and "graph output" in n for n in program.notes), \
+        program.notes
+    assert "not fused" in program.describe()
+
+
+def test_gpt2_attention_is_one_kernel_per_layer() -> None:
+    """GPT-2 (transformers' default attention) through the HF chain matcher, matching eager."""
+    from sextant.examples import EXAMPLES
+
+    model, args = EXAMPLES["gpt2"]()
+    cm = sextant.compile(model, args, target="cpu", cache=False)
+    assert _attention_mappings(cm) == ["attention-rows"] * 2
+    torch.testing.assert_close(cm(*args), model(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_llama_attention_on_tensor_cores(dtype: torch.dtype) -> None:
+    """The zoo's 2-layer Llama-style LM (GQA, rotary, causal) in f16/bf16 on cuda-sim: both
+    attentions run the flash kernel; logits within half tolerance of the f32 model."""
+    from sextant.zoo import ZOO
+
+    model, (ids,) = ZOO["llama"]()
+    model = model.to(dtype)
+    cm = sextant.compile(model, (ids,), target="cuda-sim", cache=False)
+    assert _attention_mappings(cm) == ["flash-attention-tensor-core"] * 2
+    with torch.no_grad():
+        want = copy.deepcopy(model).float()(ids)
+    got = cm(ids).float()
+    err = (got - want).abs().max().item()
+    assert err <= 8 * torch.finfo(dtype).eps * want.abs().max().item(), err
