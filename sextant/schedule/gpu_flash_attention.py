@@ -49,7 +49,6 @@ from sextant.kernel.ir import (
     Select,
     Store,
     Unary,
-    Var,
     WarpReduce,
 )
 from sextant.schedule.attention_match import Attention, at
