@@ -41,6 +41,9 @@ from sextant.kernel.ir import (
     Buffer,
     Cast,
     Const,
+    CpAsync,
+    CpAsyncCommit,
+    CpAsyncWait,
     Expr,
     Kernel,
     LdMatrix,
@@ -58,7 +61,9 @@ from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imin, imod, i
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
+from sextant.schedule.views import strided_view
 
+Chunk = Callable[[Expr, Expr], tuple[str, Expr]]  # (row, col) -> (buffer, flat index) of a 16-byte chunk
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
 BR, BC = 64, 64  # query rows per block (16 per warp), keys per streamed tile
 WARPS = BR // 16
@@ -124,21 +129,67 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         value = e.value(x, idx)
         return value if value.dtype == dt else Cast(value, dt)
 
+    def chunks(x: Node, row_axis: int, col_axis: int) -> Chunk | None:
+        """The flat index of element ``(row, col)`` of ``x`` in its buffer when ``x`` is a strided
+        view whose ``col_axis`` is contiguous and every other stride keeps 16-byte chunks aligned
+        (then its tiles are copied by ``cp.async``), else None."""
+        view = strided_view(x, e.buffers, exact_from=dt)
+        per = 16 // dt.itemsize
+        if view is None or view.strides[col_axis] != 1 or view.offset % per or x.shape[col_axis] % per:
+            return None
+        lead, row_st = view.strides[:-2], view.strides[row_axis]
+        if row_st % per or any(k % per for k in lead):
+            return None
+        name = e.buffers[id(view.buffer)]
+        lead_idx = at(x, bz, c(0), c(0))[:-2]
+
+        def index(row: Expr, col: Expr) -> Expr:
+            flat = iadd(c(view.offset), iadd(imul(row, row_st), col))
+            for i, k in zip(lead_idx, lead):
+                flat = iadd(flat, imul(i, k)) if k else flat
+            return flat
+
+        return lambda row, col: (name, index(row, col))
+
     def stage(buf: str, rows: int, cols: int, stride: int, row0: Expr, row_lim: int,
-              element: Callable[[Expr, Expr], Expr]) -> None:
-        """``buf[r·stride + col] = element(row0 + r, col)``, zero for rows past ``row_lim``;
-        consecutive threads take consecutive columns (coalesced along the head dim)."""
-        for p in range(rows * cols // (32 * WARPS)):
-            el = iadd(t, c(p * 32 * WARPS))
+              element: Callable[[Expr, Expr], Expr], chunk: Chunk | None = None) -> None:
+        """``buf[r·stride + col] = element(row0 + r, col)``, zero for rows past ``row_lim``: by
+        ``cp.async`` in 16-byte chunks when ``chunk`` gives their source (8 consecutive lanes write
+        8 consecutive chunks of a row, or one chunk column of 8 rows when rows are shorter — the
+        odd 16-byte row stride spreads those over the banks), else element by element
+        (consecutive threads on consecutive columns: coalesced along the head dim)."""
+        threads = 32 * WARPS
+        guard_rows = row_lim % rows != 0
+        if chunk is not None:
+            per = 16 // dt.itemsize
+            cpr = cols // per
+            for p in range(rows * cpr // threads):
+                el = iadd(t, c(p * threads))
+                if cpr >= 8:
+                    r, col = e.bind(idiv(el, cpr), "r"), e.bind(imul(imod(el, cpr), per), "cc")
+                else:
+                    r = e.bind(iadd(imod(el, 8), imul(idiv(el, 8 * cpr), 8)), "r")
+                    col = e.bind(imul(imod(idiv(el, 8), cpr), per), "cc")
+                gr = e.bind(iadd(row0, r), "gr")
+                guard = _bool("lt", gr, c(row_lim)) if guard_rows else None
+                src, index = chunk(e.bind(imin(gr, c(row_lim - 1)), "gc") if guard_rows else gr, col)
+                e.emit(CpAsync(buf, iadd(imul(r, stride), col), src, index, per, guard))
+            return
+        for p in range(rows * cols // threads):
+            el = iadd(t, c(p * threads))
             r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
             gr = e.bind(iadd(row0, r), "gr")
             slot = iadd(imul(r, stride), col)
-            guard = _bool("lt", gr, c(row_lim)) if row_lim % rows else None
+            guard = _bool("lt", gr, c(row_lim)) if guard_rows else None
             _guarded(e, guard, lambda slot=slot, gr=gr, col=col: e.emit(Store(buf, slot, element(gr, col))),
                      lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
 
+    q_chunk, k_chunk, v_chunk = chunks(q, -2, -1), chunks(kt, -1, -2), chunks(v, -2, -1)
+
     # Q: staged through Ks (free until the first K tile), then held as A fragments
-    stage("Ks", BR, d, k_stride, q0, n_q, lambda r, col: half(q, at(q, bz, r, col)))
+    stage("Ks", BR, d, k_stride, q0, n_q, lambda r, col: half(q, at(q, bz, r, col)), q_chunk)
+    e.emit(CpAsyncCommit())
+    e.emit(CpAsyncWait(0))
     e.emit(Barrier())
     a_row, a_col = iadd(wrow, imod(lane, 16)), imul(idiv(lane, 16), 8)
     for ks in range(d // 16):
@@ -161,8 +212,11 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         kept out of the main loop, where they would cost registers)."""
         lim = n_kv if ragged else BC
         e.emit(Barrier())  # every warp is done with the previous tile (and with Q's staging)
-        stage("Ks", BC, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)))
-        stage("Vs", BC, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)))
+        stage("Ks", BC, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)), k_chunk)
+        e.emit(CpAsyncCommit())
+        stage("Vs", BC, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)), v_chunk)
+        e.emit(CpAsyncCommit())
+        e.emit(CpAsyncWait(1))  # K has landed (V may still be in flight while S and the softmax run)
         e.emit(Barrier())
         _strided_loop(e, c(0), n_s * MMA.c_elems, 1, lambda u: e.emit(Store("sacc", u, zero)), "u", unroll=True)
         for ks in range(d // 16):  # S = Q·Kᵀ
@@ -204,6 +258,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 p_val = e.bind(Unary("exp", Binary("sub", Load("sacc", slot, acc_t), shift[i >> 1], acc_t), acc_t), "p")
                 e.emit(Assign(s[i >> 1], Binary("add", s[i >> 1], p_val, acc_t)))
                 e.emit(Store("fp", slot, Cast(p_val, dt)))
+        e.emit(CpAsyncWait(0))
+        e.emit(Barrier())
         for kk in range(BC // 16):  # O += P·V
             for p in range(n_o // 2):
                 addr = iadd(imul(iadd(vb_row, c(kk * 16)), v_stride), iadd(vb_col, c(p * 16)))

@@ -111,12 +111,18 @@ def test_half_precision_transformer_block(dtype: torch.dtype) -> None:
         if k.meta.get("mapping") == "tensor-core":  # tiles stay half, the MMA accumulates in f32
             assert {b.dtype for b in k.shared} == {DType.from_torch(dtype)}
             assert k.buffer("acc").dtype == DType.f32
+        elif k.meta.get("mapping") == "flash-attention-tensor-core":  # both products too
+            assert {b.dtype for b in k.shared} == {DType.from_torch(dtype)}
+            assert k.buffer("sacc").dtype == k.buffer("oacc").dtype == DType.f32
         elif k.shared:
             assert {b.dtype for b in k.shared} == {DType.f32}
     half = [launch for launch in program.launches if program.groups[launch.group].kind == "matmul"
             and program.groups[launch.group].anchor.inputs[0].dtype == DType.from_torch(dtype)]
-    assert len(half) == 4  # the projections and the MLP (attention's products are f32 in the graph)
+    assert len(half) == 4  # the projections and the MLP
     assert {program.kernels[launch.kernel].meta["mapping"] for launch in half} == {"tensor-core"}
+    attention = [program.kernels[launch.kernel].meta["mapping"] for launch in program.launches
+                 if program.groups[launch.group].kind == "attention"]
+    assert attention == ["flash-attention-tensor-core"]  # QKᵀ, mask, softmax and PV in one kernel
     fresh = torch.randn_like(x)
     with torch.no_grad():
         expected = model(fresh).float()
