@@ -4,7 +4,7 @@ The mapping (one thread block of 4 warps per ``BR = 64`` query rows of one batch
 
 * **Q stays resident.** The block's Q tile is staged through shared memory once and every
   warp keeps its 16 rows as ``ldmatrix`` A fragments (``D/16`` k-steps) for the whole kernel.
-* **K and V stream** through shared memory in tiles of ``BC = 64`` keys. K is staged key-major
+* **K and V stream** through shared memory in tiles of ``BC`` keys (64; 32 for heads up to 32). K is staged key-major
   (``BC × D``, rows contiguous along the head dim): exactly ``mma``'s "col" B operand for
   ``S = Q·Kᵀ``, read by plain ``ldmatrix``; V is staged ``BC × Dv`` and read by
   ``ldmatrix.trans``, as the GEMM reads a row-major B. Rows are padded by 8 elements (an odd
@@ -45,6 +45,7 @@ from sextant.kernel.ir import (
     CpAsyncCommit,
     CpAsyncWait,
     Expr,
+    If,
     Kernel,
     LdMatrix,
     Load,
@@ -65,7 +66,13 @@ from sextant.schedule.views import strided_view
 
 Chunk = Callable[[Expr, Expr], tuple[str, Expr]]  # (row, col) -> (buffer, flat index) of a 16-byte chunk
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
-BR, BC = 64, 64  # query rows per block (16 per warp), keys per streamed tile
+BR = 64  # query rows per block (16 per warp)
+
+
+def kv_tile_keys(head: int) -> int:
+    """Keys per streamed K/V tile: 64, or 32 for heads of up to 32 — with 64, ptxas (CUDA 13,
+    sm_90) holds such a kernel to 96 registers and spills its copy addresses; with 32 it needs 72."""
+    return 32 if head <= 32 else 64
 WARPS = BR // 16
 MAX_HEAD = 128  # head sizes up to this keep Q fragments and O accumulators in registers
 
@@ -110,11 +117,12 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     q, kt, v, out = att.q, att.kt, att.v, att.out
     *batch, n_q, d = q.shape
     n_kv, dv = kt.shape[-1], v.shape[-1]
+    bc = kv_tile_keys(d)
     e, params, _ = setup_kernel(group, stored)
     grid, (bq, bz, _) = _grid(e, (-(-n_q // BR), math.prod(batch), 1))
     k_stride, v_stride = d + PAD, dv + PAD
-    shared = [Buffer("Ks", dt, BC * k_stride, "shared"), Buffer("Vs", dt, BC * v_stride, "shared")]
-    n_s, n_o = BC // 8, dv // 8  # 16x8 accumulator tiles of S and of O per warp
+    shared = [Buffer("Ks", dt, max(BR, bc) * k_stride, "shared"), Buffer("Vs", dt, bc * v_stride, "shared")]
+    n_s, n_o = bc // 8, dv // 8  # 16x8 accumulator tiles of S and of O per warp
     local = (Buffer("fq", dt, d // 16 * MMA.a_elems, "local"), Buffer("fb", dt, 2 * MMA.b_elems, "local"),
              Buffer("sacc", acc_t, n_s * MMA.c_elems, "local"), Buffer("fp", dt, n_s * MMA.c_elems, "local"),
              Buffer("oacc", acc_t, n_o * MMA.c_elems, "local"))
@@ -163,7 +171,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         if chunk is not None:
             per = 16 // dt.itemsize
             cpr = cols // per
-            for p in range(rows * cpr // threads):
+            count = rows * cpr
+            for p in range(-(-count // threads)):  # a small tile has fewer chunks than threads
                 el = iadd(t, c(p * threads))
                 if cpr >= 8:
                     r, col = e.bind(idiv(el, cpr), "r"), e.bind(imul(imod(el, cpr), per), "cc")
@@ -173,7 +182,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 gr = e.bind(iadd(row0, r), "gr")
                 guard = _bool("lt", gr, c(row_lim)) if guard_rows else None
                 src, index = chunk(e.bind(imin(gr, c(row_lim - 1)), "gc") if guard_rows else gr, col)
-                e.emit(CpAsync(buf, iadd(imul(r, stride), col), src, index, per, guard))
+                copy = CpAsync(buf, iadd(imul(r, stride), col), src, index, per, guard)
+                e.emit(If(_bool("lt", el, c(count)), (copy,)) if count % threads else copy)
             return
         for p in range(rows * cols // threads):
             el = iadd(t, c(p * threads))
@@ -210,11 +220,11 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     def kv_tile(j0: Expr, ragged: bool) -> None:
         """One tile of keys from ``j0``; ``ragged``: the last, partial tile (its key checks are
         kept out of the main loop, where they would cost registers)."""
-        lim = n_kv if ragged else BC
+        lim = n_kv if ragged else bc
         e.emit(Barrier())  # every warp is done with the previous tile (and with Q's staging)
-        stage("Ks", BC, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)), k_chunk)
+        stage("Ks", bc, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)), k_chunk)
         e.emit(CpAsyncCommit())
-        stage("Vs", BC, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)), v_chunk)
+        stage("Vs", bc, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)), v_chunk)
         e.emit(CpAsyncCommit())
         e.emit(CpAsyncWait(1))  # K has landed (V may still be in flight while S and the softmax run)
         e.emit(Barrier())
@@ -260,7 +270,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 e.emit(Store("fp", slot, Cast(p_val, dt)))
         e.emit(CpAsyncWait(0))
         e.emit(Barrier())
-        for kk in range(BC // 16):  # O += P·V
+        for kk in range(bc // 16):  # O += P·V
             for p in range(n_o // 2):
                 addr = iadd(imul(iadd(vb_row, c(kk * 16)), v_stride), iadd(vb_col, c(p * 16)))
                 e.emit(LdMatrix("fb", c(0), "Vs", addr, 4, trans=True))
@@ -269,12 +279,12 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                     e.emit(Mma((16, 8, 16), "oacc", off, "fp", c(kk * MMA.a_elems), "fb",
                                c((y - 2 * p) * MMA.b_elems), "oacc", off))
 
-    full = n_kv // BC
+    full = n_kv // bc
     if full:
-        _strided_loop(e, c(0), full * BC, BC, lambda j0: kv_tile(j0, False), "j0")
-    if n_kv % BC:
+        _strided_loop(e, c(0), full * bc, bc, lambda j0: kv_tile(j0, False), "j0")
+    if n_kv % bc:
         with e.scope() as tail:
-            kv_tile(c(full * BC), True)
+            kv_tile(c(full * bc), True)
         e.stmts.extend(tail)
     inv = []
     for h in range(2):
@@ -298,7 +308,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
 
             _guarded(e, _and([_bool("lt", rows[h], c(n_q))]) if n_q % BR else None, store)
     _check_shared(name, shared, target)
-    meta = {"mapping": "flash-attention-tensor-core", "tile": (BR, BC), "warps": WARPS,
+    meta = {"mapping": "flash-attention-tensor-core", "tile": (BR, bc), "warps": WARPS,
             "mma": "m16n8k16." + dt.value, "head": (d, dv)}
     return Kernel(name, tuple(params), grid, (32 * WARPS, 1, 1), tuple(e.stmts), shared=tuple(shared),
                   local=local, meta=meta)

@@ -127,16 +127,18 @@ def test_half_attention_runs_the_tensor_core_flash_kernel(name: str, dtype: torc
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_flash_kernel_assembles_without_spills_and_runs_on_hmma(arch: str) -> None:
+    from sextant.codegen.llvm_nvptx import emit_ptx
     from sextant.codegen.ptxas import assemble
     from sextant.codegen.sass import disassemble, find_disassembler
 
-    for d, s, causal in ((64, 256, True), (128, 128, False), (64, 200, True)):
+    for d, s, causal in ((16, 128, False), (32, 256, True), (64, 256, True), (64, 200, True), (128, 128, False)):
         q = torch.randn(2, 4, s, d).half()
-        cm = sextant.compile(Sdpa(is_causal=causal), (q, q, q), target="cuda-sim", arch=arch, cache=False)
-        assert _attention_mappings(cm) == ["flash-attention-tensor-core"]
-        ptx = cm.stages["ptx"].ptx
+        program = schedule(run_pipeline(sextant.capture(Sdpa(is_causal=causal), (q, q, q))), gpu_target(arch))
+        assert [k.meta["mapping"] for k in program.kernels.values()] == ["flash-attention-tensor-core"]
+        ptx = emit_ptx(list(program.kernels.values()), arch=arch).ptx
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+        assert "cp.async.cg.shared.global" in ptx  # Q, K and V are plain buffers: 16-byte async copies
         res = assemble(ptx, arch)
         for name, r in res.kernels.items():
             assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (d, s, name, r)
