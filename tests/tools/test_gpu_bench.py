@@ -25,3 +25,16 @@ def test_dry_run_writes_a_row_per_case(tmp_path: Path) -> None:
         assert "1 tensor-core" in rows[half]["kernels (unique)"]
         assert "0 B spills" in rows[half]["notes"]
     assert "tensor-core" not in rows["matmul-4096-fp32"]["kernels (unique)"]
+
+
+def test_dry_run_attention_cases_run_the_flash_kernel(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_bench.md"
+    assert gpu_bench.main(["--dry-run", "--no-inductor", "--cases", "attention", "--out", str(out)]) == 0
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {r[0]: dict(zip(head, r)) for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+    assert set(rows) == {"attention-b8-h12-s512-causal-fp16", "attention-b8-h12-s2048-causal-fp16"}
+    for row in rows.values():  # one fused kernel on tensor cores, without spills, within f16 tolerance
+        assert row["kernels (unique)"].startswith("1 (1), 1 tensor-core"), row
+        assert "0 B spills" in row["notes"]
+        assert float(row["max abs err"]) < 4e-3
