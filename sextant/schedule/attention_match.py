@@ -41,6 +41,7 @@ class Attention:
     out: Node  # O = matmul(P, V)
     guarded: bool  # a row the mask hides entirely gives 0 (else NaN, as softmax of all -inf)
     members: tuple[Node, ...]
+    causal: bool = False  # the logits hide every key j > query i: later key tiles can be skipped
 
     @property
     def q(self) -> Node:
@@ -74,7 +75,8 @@ def _same_rows(a: Node, shape: tuple, numel: int) -> bool:
 
 
 def _strip_expand(n: Node) -> Node:
-    while n.op == "expand":
+    """``n`` below its broadcasts (and the batch reshapes that add the leading dims they need)."""
+    while n.op == "expand" or _batch_reshape(n):
         n = n.inputs[0]
     return n
 
@@ -192,7 +194,26 @@ def _match(out: Node, div: Node, above: list[Node], guard_max: Node | None, user
             raise _NoMatch(f"the {_role(n, scores, m, s, div)} ({n.op} at {n.loc or '?'}) is also read "
                            "outside the attention")
     order = sorted(members.values(), key=pos.__getitem__)
-    return Attention(scores, z, m, e, s, out.inputs[0], out, guard_max is not None, tuple(order))
+    return Attention(scores, z, m, e, s, out.inputs[0], out, guard_max is not None, tuple(order),
+                     any(_causal_where(n) for n in path))
+
+
+def _iota_axis(n: Node) -> int | None:
+    """The axis counted from the end (-1: keys, -2: queries) of an (expanded) iota."""
+    n = _strip_expand(n)
+    return n.attr("axis") - n.type.rank if n.op == "iota" else None
+
+
+def _causal_where(n: Node) -> bool:
+    """``where(key <= query, x, -inf)`` — the causal mask SDPA's lowering writes when it is not
+    folded to a constant (sequences longer than the folding limit)."""
+    if n.op != "where" or not _is_full(n.inputs[2], -math.inf):
+        return False
+    cond = _strip_expand(n.inputs[0])
+    if cond.op not in ("le", "ge"):
+        return False
+    a, b = (_iota_axis(x) for x in cond.inputs)
+    return (a, b) == ((-1, -2) if cond.op == "le" else (-2, -1))
 
 
 def _role(n: Node, scores: Node, m: Node, s: Node, div: Node) -> str:
@@ -202,7 +223,7 @@ def _role(n: Node, scores: Node, m: Node, s: Node, div: Node) -> str:
 
 def _expands(n: Node) -> list[Node]:
     out = []
-    while n.op == "expand":
+    while n.op == "expand" or _batch_reshape(n):
         out.append(n)
         n = n.inputs[0]
     return out
@@ -217,7 +238,7 @@ def _guard_nodes(above: list[Node]) -> list[Node]:
         stack = [w.inputs[0], w.inputs[1]]
         while stack:
             x = stack.pop()
-            if x.op in ("expand", "eq") and not _is_full(x, -math.inf):  # constants stay free
+            if (x.op in ("expand", "eq") or _batch_reshape(x)) and not _is_full(x, -math.inf):  # constants stay free
                 out.append(x)
                 stack.extend(x.inputs)
     return out

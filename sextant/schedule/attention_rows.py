@@ -142,7 +142,9 @@ def rows_attention_kernel(group: Group, stored: set[int], target: TargetDesc, na
         j0 = e.var("j0")
         with e.scope() as body:
             kv_tile(j0)
-        e.emit(For(j0, c(0), c(n_kv), tile, tuple(body)))
+        # causal: keys past the query are masked, so the loop stops at the query's own tile
+        stop = e.bind(imin(iadd(i, c(1)), c(n_kv)), "kend") if att.causal else c(n_kv)
+        e.emit(For(j0, c(0), stop, tile, tuple(body)))
         inv = e.bind(Binary("div", Const(1.0, acc_t), s, acc_t), "inv")
         if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
             inv = e.bind(Select(Binary("eq", m, neg_inf, DType.bool), Const(0.0, acc_t), inv, acc_t), "inv")

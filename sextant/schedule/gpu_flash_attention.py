@@ -45,6 +45,7 @@ from sextant.kernel.ir import (
     CpAsyncCommit,
     CpAsyncWait,
     Expr,
+    For,
     If,
     Kernel,
     LdMatrix,
@@ -280,12 +281,22 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                                c((y - 2 * p) * MMA.b_elems), "oacc", off))
 
     full = n_kv // bc
+    # causal: the block's queries end at q0 + BR, so tiles from there on are masked entirely
+    # (BR is a multiple of bc, so the bound is a whole tile)
+    reach = iadd(q0, c(BR)) if att.causal else None
     if full:
-        _strided_loop(e, c(0), full * bc, bc, lambda j0: kv_tile(j0, False), "j0")
+        j0 = e.var("j0")
+        with e.scope() as body:
+            kv_tile(j0, False)
+        stop = imin(reach, c(full * bc)) if reach is not None else c(full * bc)
+        e.emit(For(j0, c(0), e.bind(stop, "kend") if reach is not None else stop, bc, tuple(body)))
     if n_kv % bc:
         with e.scope() as tail:
             kv_tile(c(full * bc), True)
-        e.stmts.extend(tail)
+        if reach is not None:
+            e.emit(If(_bool("lt", c(full * bc), reach), tuple(tail)))
+        else:
+            e.stmts.extend(tail)
     inv = []
     for h in range(2):
         total = e.var("lsum", acc_t)

@@ -349,7 +349,95 @@ def snippet_tc_counters() -> str:
     return "\n".join(f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
 
 
+class _CausalAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class _AttentionWithWeights(nn.Module):
+    """Returns the probabilities too: the chain cannot be fused (the dump says why)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1)
+        return p @ v, p
+
+
+def _fa_inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    return tuple(torch.randn(1, 2, 128, 64).half() for _ in range(3))
+
+
+@functools.cache
+def _fa_program():
+    """Causal f16 attention with GPT-2-small's head size (2 heads × 128 tokens × 64) for sm_90."""
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import gpu_target
+
+    return schedule(run_pipeline(sextant.capture(_CausalAttention(), _fa_inputs())), gpu_target("sm_90"))
+
+
+def snippet_fa_kernel_excerpt() -> str:
+    """The flash kernel's online softmax in kernel IR: the row max over the quad, the rescale,
+    P kept in place as the A fragments of P·V."""
+    from sextant.kernel.printer import print_kernel
+
+    lines = print_kernel(next(iter(_fa_program().kernels.values()))).splitlines()
+    head = lines[:lines.index("{")]
+    loop = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for (j0"))
+    cp = next(i for i, line in enumerate(lines) if i > loop and "cp_async" in line)
+    mma = next(i for i, line in enumerate(lines) if "mma_m16n8k16(&sacc" in line)
+    red = next(i for i, line in enumerate(lines) if "warp_max" in line)
+    p = next(i for i, line in enumerate(lines) if "fp[0] =" in line)
+    pv = next(i for i, line in enumerate(lines) if "mma_m16n8k16(&oacc" in line)
+    return "\n".join([*head, "{", "  ...", *lines[loop:loop + 2], *lines[cp:cp + 1], "    ...",
+                      *lines[mma - 1:mma + 2], "    ...", *lines[red:red + 6], "    ...", *lines[p - 2:p + 1],
+                      "    ...", *lines[pv - 3:pv + 2], "  ..."])
+
+
+def snippet_fa_ptxas() -> str:
+    """ptxas's figures for the flash kernel, and the SASS instruction mix nvdisasm shows."""
+    from sextant.codegen.llvm_nvptx import emit_ptx
+    from sextant.codegen.ptxas import assemble
+    from sextant.codegen.sass import disassemble, find_disassembler
+
+    kernels = list(_fa_program().kernels.values())
+    res = assemble(emit_ptx(kernels, arch="sm_90").ptx, "sm_90")
+    r = res.kernels[kernels[0].name]
+    out = [f"{r.name}: {r.registers} registers, {r.shared_bytes} B shared, {r.spill_stores} B spill stores, "
+           f"{r.spill_loads} B spill loads"]
+    tool = find_disassembler()
+    if tool is None:
+        raise RuntimeError("docgen needs nvdisasm for the SASS counts (pip install nvidia-cuda-nvdisasm)")
+    sass = disassemble(res.cubin, tool)
+    for op in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128", "SHFL.BFLY", "MUFU.EX2"):
+        out.append(f"  {op:<20} {sass.count(op)}")
+    return "\n".join(out)
+
+
+def snippet_fa_counters() -> str:
+    """cuda-sim's counters for the same kernel (``sextant explain --counters``)."""
+    from sextant.codegen.counters import count_program
+
+    program = _fa_program()
+    counted = count_program(program, _fa_inputs())
+    return "\n".join(f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
+
+
+def snippet_fa_schedule() -> str:
+    """The CPU schedule dump of fused attention, and of a chain that cannot fuse."""
+    from sextant.schedule.program import schedule
+
+    q = torch.randn(1, 2, 16, 8)
+    fused = schedule(run_pipeline(sextant.capture(_CausalAttention(), (q, q, q))), DOCS_CPU).describe()
+    refused = schedule(run_pipeline(sextant.capture(_AttentionWithWeights(), (q, q, q))), DOCS_CPU).describe()
+    return fused + "\n\n" + refused
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "fa-kernel-excerpt": snippet_fa_kernel_excerpt,
+    "fa-ptxas": snippet_fa_ptxas,
+    "fa-counters": snippet_fa_counters,
+    "fa-schedule": snippet_fa_schedule,
     "tc-counters": snippet_tc_counters,
     "tc-kernel-excerpt": snippet_tc_kernel_excerpt,
     "tc-ptx-excerpt": snippet_tc_ptx_excerpt,

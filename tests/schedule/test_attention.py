@@ -159,6 +159,24 @@ def test_flash_kernel_counters() -> None:
     assert counted.mma_instructions == 2 * 2 * 2 * 4 * (4 * 8 + 4 * 8), counted.summary()
 
 
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_causal_attention_skips_the_masked_key_tiles(target: str) -> None:
+    """Past the folding limit the causal mask stays ``key <= query`` on iotas; the matcher sees it
+    and the kernels stop each query (tile) at its diagonal — same result, fewer tiles."""
+    from sextant.codegen.counters import count_program
+
+    dtype = torch.float16 if target == "cuda-sim" else torch.float32
+    q, k, v = (torch.randn(1, 1, 320, 16).to(dtype) for _ in range(3))
+    cm = sextant.compile(Sdpa(is_causal=True), (q, k, v), target=target, cache=False)
+    (group,) = cm.stages["program"].groups
+    assert group.attention.causal
+    torch.testing.assert_close(cm(q, k, v).float(), _eager_f32(Sdpa(is_causal=True), (q, k, v)),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+    if target == "cuda-sim":  # 5 query tiles x (2, 4, ..., 10) of 10 key tiles of 32, 32 MMAs each
+        (counted,) = count_program(cm.stages["program"], (q, k, v)).values()
+        assert counted.mma_instructions == 30 * 32, counted.summary()
+
+
 def test_tensor_cores_apply_only_where_they_can() -> None:
     def mapping(model: nn.Module, args: tuple, arch: str) -> tuple[str, str]:
         program = schedule(run_pipeline(sextant.capture(model, args)), gpu_target(arch))
