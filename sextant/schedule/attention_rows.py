@@ -1,5 +1,6 @@
-"""Fused attention, one query row per thread: the CPU mapping (and the GPU's when tensor cores
-do not apply — f32, or a head size that is not a multiple of 16).
+"""Fused attention, one query row per thread: the GPU's mapping when tensor cores do not apply
+(f32, a head size that is not a multiple of 16, GPUs before sm_80). Simple and general; the
+CPU has its own loop nest (``cpu_attention``).
 
 A thread owns query row ``i`` of one batch/head and streams the keys past it in tiles of ``T``
 with an *online softmax* (Milakov & Gimelshein 2018; FlashAttention): it keeps the running

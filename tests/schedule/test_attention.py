@@ -90,7 +90,7 @@ def test_attention_fuses_into_one_kernel_on_the_cpu(name: str) -> None:
     cm = sextant.compile(model, args, target="cpu", cache=False)
     program = cm.stages["program"]
     assert [program.groups[launch.group].kind for launch in program.launches] == ["attention"], program.describe()
-    assert _attention_mappings(cm) == ["attention-rows"]
+    assert _attention_mappings(cm) == ["attention-cpu-flash"]
     torch.testing.assert_close(cm(*args), model(*args), rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
 
@@ -208,7 +208,7 @@ def test_gpt2_attention_is_one_kernel_per_layer() -> None:
 
     model, args = EXAMPLES["gpt2"]()
     cm = sextant.compile(model, args, target="cpu", cache=False)
-    assert _attention_mappings(cm) == ["attention-rows"] * 2
+    assert _attention_mappings(cm) == ["attention-cpu-flash"] * 2
     torch.testing.assert_close(cm(*args), model(*args), rtol=1e-4, atol=1e-4)
 
 
