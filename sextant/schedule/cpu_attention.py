@@ -1,8 +1,12 @@
 """Fused attention on the CPU: a flash-attention loop nest shaped for vector registers.
 
-A block walks a chunk of *row blocks* — ``BR`` query rows of one batch/head — and streams the
-keys and values past them in tiles of ``T`` with an online softmax (the math of
-``attention_rows``). What makes it fast on a CPU is where the operands live:
+A block walks a chunk of *row blocks* — query rows of one batch/head — and streams the keys
+and values past them in tiles of ``T`` with an *online softmax* (Milakov & Gimelshein 2018;
+FlashAttention): each row keeps its running max ``m``, the running sum ``l`` of ``exp(z - m)``
+and its unnormalised output ``o = Σ exp(z_j - m)·v_j``; a tile with a larger max rescales
+both by ``exp(m_old - m_new)`` (0 stands in for a max of -inf, a row masked so far), and the
+row is divided by ``l`` at the end (0 for a fully masked row when the graph asks for it).
+What makes it fast on a CPU is where the operands live:
 
 * The K tile is staged **transposed** (``Kt[d][jj]``) and the V tile as is (``Vt[jj][d]``), once
   per row block, so the ``BR`` rows reuse them from L1 and both products become broadcast-FMA

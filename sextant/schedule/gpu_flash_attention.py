@@ -92,15 +92,15 @@ def half_dtype(x: Node) -> DType | None:
         x = x.inputs[0]
 
 
-def flash_refusal(group: Group, target: TargetDesc) -> str | None:
-    """Why the tensor-core kernel cannot compute ``group``, or None when it can."""
-    att = group.attention
-    assert att is not None
+def flash_refusal(att: Attention, target: TargetDesc) -> str | None:
+    """Why the tensor-core kernel cannot compute ``att``, or None when it can. The GPU fuses only
+    what this kernel computes: for the rest, the tiled matmuls and the warp softmax (the score
+    matrix stored) beat any CUDA-core fused kernel sextant has."""
     if sm_version(target) < 80:
         return f"mma.sync needs sm_80 or newer, not {target.name}"
     types = {half_dtype(x) for x in (att.q, att.kt, att.v)}
     if None in types:
-        return "Q, K or V is not f16/bf16 (f32 attention runs on CUDA cores)"
+        return "Q, K or V is not f16/bf16 (tensor cores; f32 stays exact)"
     if len(types) != 1:
         return "Q, K and V mix f16 and bf16"
     d, dv = att.q.shape[-1], att.v.shape[-1]
@@ -111,7 +111,7 @@ def flash_refusal(group: Group, target: TargetDesc) -> str | None:
 
 def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     att = group.attention
-    assert att is not None and flash_refusal(group, target) is None
+    assert att is not None and flash_refusal(att, target) is None
     dt = half_dtype(att.q)
     assert dt is not None
     acc_t = DType.f32

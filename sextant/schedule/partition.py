@@ -23,6 +23,7 @@ with a reduction group. Walks report the nodes they visit to a :class:`WorkCount
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sextant.graph.ir import Graph, Node
@@ -62,7 +63,8 @@ def is_buffer(n: Node) -> bool:
 
 
 def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False,
-              fuse_attention: bool = True) -> list[Group]:
+              fuse_attention: bool = True,
+              attention_refusal: Callable[[Attention], str | None] | None = None) -> list[Group]:
     """The fused groups of ``graph`` in a valid launch order; ``work`` counts the nodes the
     fusion walks visited.
 
@@ -72,10 +74,12 @@ def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_input
     tiles through shared memory and computes them there once).
 
     ``fuse_attention``: each ``softmax(f(Q·Kᵀ))·V`` chain (``attention_match``) is one
-    ``attention`` group, its score and probability matrices never stored."""
+    ``attention`` group, its score and probability matrices never stored — unless
+    ``attention_refusal`` (the target's) gives a reason not to, which the dump then shows."""
     fusion = _Fusion(graph, work if work is not None else WorkCounter())
     fusion.store_conv_inputs = store_conv_inputs
     fusion.fuse_attention = fuse_attention
+    fusion.attention_refusal = attention_refusal
     return fusion.run()
 
 
@@ -95,6 +99,7 @@ class _Fusion:
         self.store_conv_inputs = False
         self.fuse_attention = True
         self.refused_attention: list[tuple[Node, str]] = []
+        self.attention_refusal: Callable[[Attention], str | None] | None = None
         self.graph = graph
         self.work = work
         self.pos = {id(n): i for i, n in enumerate(graph.nodes)}
@@ -187,6 +192,10 @@ class _Fusion:
         found, self.refused_attention = match_attention(self.graph, self.users)
         probs: set[int] = set()
         for a in found:
+            why = self.attention_refusal(a) if self.attention_refusal is not None else None
+            if why is not None:
+                self.refused_attention.append((a.out, why))
+                continue
             g = Group("attention", a.out, list(a.members), attention=a)
             for m in a.members:
                 self.group_of[id(m)] = g

@@ -19,7 +19,7 @@ from sextant.graph.reference import eval_node
 from sextant.kernel import simplify_kernel, verify_kernel
 from sextant.kernel.ir import Kernel
 from sextant.schedule import memory
-from sextant.schedule.attention import attention_kernel
+from sextant.schedule.attention import attention_kernel, attention_refusal
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, external_buffers
@@ -160,7 +160,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     work = work if work is not None else WorkCounter()
     if not target.is_gpu:
         graph = explicit_padding(graph)
-    groups = partition(graph, work, store_conv_inputs=not target.is_gpu)
+    groups = partition(graph, work, store_conv_inputs=not target.is_gpu, attention_refusal=attention_refusal(target))
     packed = prepack_weights(graph, groups)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
