@@ -138,7 +138,12 @@ def _write_report(build: Build, path: Path, gpu: str, out: TextIO) -> None:
     except ImportError as e:
         raise CliError(f"--report: the HTML report generator is not available ({e})",
                        "update sextant (sextant.report.write_report), or drop --report", ExitCode.ENVIRONMENT) from e
-    write_report(build.compiled, path, gpu=gpu)
+    counters = None
+    if build.target == "cuda-sim":  # one counted run on the example inputs: the report shows them per kernel
+        from sextant.cli.explain import _counters
+
+        counters, _ = _counters(build)
+    write_report(build.compiled, path, gpu=gpu, counters=counters)
     print(f"wrote report {path}", file=out)
 
 

@@ -41,7 +41,7 @@ class LaunchCost:
 
     launch: int  # index into Program.launches
     kernel: str
-    kind: str  # the fused group's kind: "elementwise" | "reduce" | "matmul" | "conv"
+    kind: str  # the fused group's kind: "elementwise" | "reduce" | "matmul" | "conv" | "attention"
     dtype: DType  # element type of the group's anchor: selects the compute peak
     flops: int
     transcendentals: int  # of ``flops``, those that are exp/log/tanh/erf/... (special-function units)
@@ -151,7 +151,7 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
     bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(writes))
     return LaunchCost(index, launch.kernel, group.kind, group.anchor.dtype, sum(by_op.values()), transcendentals,
                       bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
-                      program.kernels[launch.kernel].meta.get("mapping") == "tensor-core")
+                      "tensor-core" in program.kernels[launch.kernel].meta.get("mapping", ""))
 
 
 def program_costs(program: Program) -> list[LaunchCost]:

@@ -20,7 +20,8 @@ from sextant.report.sources import source_line
 from sextant.schedule.program import Program
 
 HIDDEN_OPS = frozenset({"reshape", "permute", "expand", "slice", "full", "iota"})
-KIND_COLORS = {"matmul": "#3b6fd8", "conv": "#8a4fd0", "reduce": "#e07b22", "elementwise": "#2e9b57"}
+KIND_COLORS = {"matmul": "#3b6fd8", "conv": "#8a4fd0", "reduce": "#e07b22", "elementwise": "#2e9b57",
+               "attention": "#c23b6e"}
 NODE_H, ROW_GAP, COL_GAP, PAD, HEADER = 22, 14, 8, 10, 24
 BOX_GAP_X, LAYER_GAP, CHAR_W = 40, 40, 7
 

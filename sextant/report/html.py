@@ -61,12 +61,13 @@ def _int(n: int) -> str:
 
 
 class _Report:
-    def __init__(self, compiled: Any, gpu: str | GpuSpec):
+    def __init__(self, compiled: Any, gpu: str | GpuSpec, counters: dict[str, Any] | None = None):
         program = compiled.stages.get("program")
         if program is None:
             raise ValueError(f"no kernels to report: target {compiled.target!r} runs the graph IR op by op; "
                              "compile with target='cuda-sim' (or 'cpu') for a report")
         self.compiled = compiled
+        self.counters = counters or {}  # cuda-sim's per-kernel counters (codegen.counters), when counted
         self.program: Program = program
         self.gpu = gpu_spec(gpu)
         self.costs = program_costs(program)
@@ -212,6 +213,13 @@ class _Report:
                             "spill loads", "stack frame", "barriers"),
                            [("", res.registers, f"{res.shared_bytes} B", f"{res.spill_stores} B",
                              f"{res.spill_loads} B", f"{res.stack_frame} B", res.barriers)], num=(1, 2, 3, 4, 5, 6))
+        counted = self.counters.get(name)
+        if counted is not None:
+            head += _table(("cuda-sim counters", "shared requests", "bank conflicts", "global loads coalesced",
+                            "global stores coalesced", "MMA instructions", "tensor-core FLOPs"),
+                           [("", _int(counted.shared_requests), _int(counted.bank_conflicts),
+                             f"{counted.load_efficiency:.0%}", f"{counted.store_efficiency:.0%}",
+                             _int(counted.mma_instructions), si(counted.mma_flops, ""))], num=(1, 2, 3, 4, 5, 6))
         body = [self.launch(li) for li in launches]
         listings = [
             _listing("Kernel IR", print_kernel(k), "-", open_=True),
@@ -262,15 +270,18 @@ class _Report:
                 + (f"<h3>Fusions refused</h3><ul>{notes}</ul>" if notes else "") + "</section>")
 
 
-def render_report(compiled: Any, gpu: str | GpuSpec = "H100") -> str:
+def render_report(compiled: Any, gpu: str | GpuSpec = "H100", counters: dict[str, Any] | None = None) -> str:
     """The report page for a :class:`~sextant.runtime.compiled.CompiledModule`, with roofline
-    estimates for ``gpu`` (``"A100"``, ``"H100"``, ``"H200"``)."""
-    return _Report(compiled, gpu).render()
+    estimates for ``gpu`` (``"A100"``, ``"H100"``, ``"H200"``) and, given cuda-sim's
+    ``counters`` (``codegen.counters.count_program``), each kernel's bank conflicts, coalescing
+    and tensor-core instructions next to ptxas's figures."""
+    return _Report(compiled, gpu, counters).render()
 
 
-def write_report(compiled: Any, path: str | Path, gpu: str | GpuSpec = "H100") -> Path:
+def write_report(compiled: Any, path: str | Path, gpu: str | GpuSpec = "H100",
+                 counters: dict[str, Any] | None = None) -> Path:
     """Write :func:`render_report`'s page to ``path`` (parents created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(compiled, gpu), encoding="utf-8")
+    path.write_text(render_report(compiled, gpu, counters), encoding="utf-8")
     return path

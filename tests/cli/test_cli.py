@@ -178,6 +178,12 @@ def test_report_flag(tmp_path: Path) -> None:
     assert f"wrote report {path}" in out
     html = path.read_text()
     assert html.lstrip().lower().startswith("<!doctype html") and "matmul_0" in html
+    code, out, err = cli("compile", f"{USER}:tiny", "--target", "cuda-sim", "-q", "--report", str(path))
+    assert code == 0, err
+    assert "cuda-sim counters" in path.read_text()  # next to ptxas's figures, per kernel
+    code, out, err = cli("compile", f"{USER}:tiny", "--target", "cpu", "-q", "--report", str(path))
+    assert code == 0, err
+    assert "cuda-sim counters" not in path.read_text()  # counted only where the GPU kernels run
 
 
 @pytest.mark.skipif(cuda_unavailable() is None, reason="checks the behaviour without a GPU")

@@ -153,3 +153,26 @@ def test_source_lines_resolve() -> None:
     here = source_line(f"{Path(__file__).name}:1")
     assert here.code == '"""The report page, checked as text: well-formed, self-contained, every kernel there, and a'
     assert source_line("no_such_file_anywhere.py:3").code == "" and source_line("garbage").code == ""
+
+
+def test_cuda_sim_counters_sit_next_to_ptxas() -> None:
+    """Given cuda-sim's counters, each kernel shows its bank conflicts, coalescing and MMA count;
+    fused f16 attention is one tensor-core kernel there."""
+    from sextant.codegen.counters import count_program
+
+    class Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.randn(1, 2, 64, 32).half()
+    cm = sextant.compile(Attention(), (q, q, q), target="cuda-sim", cache=False)
+    counted = count_program(cm.stages["program"], (q, q, q))
+    page = render_report(cm, "H200", counters=counted)
+    (name,) = counted
+    section = page[page.index(f'id="kernel-{name}"'):]
+    assert "cuda-sim counters" in section and "bank conflicts" in section
+    row = re.search(r"<tr><td></td>(.*?)</tr>", section[section.index("cuda-sim counters"):]).group(1)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    assert cells[1] == "0"  # no bank conflicts
+    assert int(cells[4].replace(",", "")) == counted[name].mma_instructions > 0
+    assert "cuda-sim counters" not in render_report(cm, "H200")  # only when counted
