@@ -48,6 +48,8 @@ def compile(  # mirrors torch.compile
     assembled by ptxas) and runs those same kernels on the CPU through the SIMT lowering;
     ``target="cuda"`` runs them on the current CUDA device, taking and returning torch CUDA tensors.
     ``arch`` defaults to sm_90 for cuda-sim and to the device's compute capability for cuda.
+    f32 matmuls on the GPU targets are exact fp32 unless ``torch.backends.cuda.matmul.allow_tf32``
+    is set when compiling (then tf32 tensor cores, as eager's cuBLAS would use).
     ``progress``, if given, is entered around each stage (see ``STAGES``) — the hook the
     ``sextant`` command uses to print what is running and how long it took.
     ``cache`` (with ``SEXTANT_CACHE``/``SEXTANT_COMPILE_CACHE`` not 0): a module compiled before with
@@ -74,6 +76,13 @@ def compile(  # mirrors torch.compile
     if k:
         compile_cache.store(k, compiled)
     return compiled
+
+
+def allow_tf32() -> bool:
+    """Whether f32 matmuls may use tf32 tensor cores: ``torch.backends.cuda.matmul.allow_tf32``
+    (also set by ``torch.set_float32_matmul_precision("high")``) when the GPU targets compile —
+    the flag eager's cuBLAS matmuls and Inductor read. Off by default: exact fp32, as eager."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def _check_target(target: str) -> None:
@@ -144,7 +153,7 @@ def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: Sta
     from sextant.schedule.target import gpu_target
 
     with step("schedule"):
-        program = schedule(graph, gpu_target(arch))
+        program = schedule(graph, gpu_target(arch, tf32=allow_tf32()))
     kernels = list(program.kernels.values())
     with step("nvptx"):
         ptx = emit_ptx(kernels, arch=arch)
@@ -169,7 +178,7 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: 
     device = require_cuda()
     arch = arch or device_arch(device)
     with step("schedule"):
-        program = schedule(graph, gpu_target(arch))
+        program = schedule(graph, gpu_target(arch, tf32=allow_tf32()))
     with step("nvptx"):
         ptx = emit_ptx(list(program.kernels.values()), arch=arch)
     stages.update(program=program, ptx=ptx)

@@ -94,7 +94,8 @@ def key(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, 
             h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
     put(f"sextant-compiled-{FORMAT}", _sextant_fingerprint(), torch.__version__, target, arch,
-        pipeline if isinstance(pipeline, str) else ",".join(pipeline))
+        pipeline if isinstance(pipeline, str) else ",".join(pipeline),
+        f"tf32={torch.backends.cuda.matmul.allow_tf32}")  # changes the GPU targets' f32 matmuls
     for name, m in module.named_modules():
         cls = type(m)
         try:

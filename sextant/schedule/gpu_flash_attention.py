@@ -63,7 +63,7 @@ from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imin, imod, i
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
-from sextant.schedule.views import strided_view
+from sextant.schedule.views import chunked
 
 Chunk = Callable[[Expr, Expr], tuple[str, Expr]]  # (row, col) -> (buffer, flat index) of a 16-byte chunk
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
@@ -139,26 +139,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         return value if value.dtype == dt else Cast(value, dt)
 
     def chunks(x: Node, row_axis: int, col_axis: int) -> Chunk | None:
-        """The flat index of element ``(row, col)`` of ``x`` in its buffer when ``x`` is a strided
-        view whose ``col_axis`` is contiguous and every other stride keeps 16-byte chunks aligned
-        (then its tiles are copied by ``cp.async``), else None."""
-        view = strided_view(x, e.buffers, exact_from=dt)
-        per = 16 // dt.itemsize
-        if view is None or view.strides[col_axis] != 1 or view.offset % per or x.shape[col_axis] % per:
-            return None
-        lead, row_st = view.strides[:-2], view.strides[row_axis]
-        if row_st % per or any(k % per for k in lead):
-            return None
-        name = e.buffers[id(view.buffer)]
-        lead_idx = at(x, bz, c(0), c(0))[:-2]
-
-        def index(row: Expr, col: Expr) -> Expr:
-            flat = iadd(c(view.offset), iadd(imul(row, row_st), col))
-            for i, k in zip(lead_idx, lead):
-                flat = iadd(flat, imul(i, k)) if k else flat
-            return flat
-
-        return lambda row, col: (name, index(row, col))
+        """Q/K/V tiles by ``cp.async`` when the operand is a strided view of a buffer (``views``)."""
+        return chunked(x, e.buffers, at(x, bz, c(0), c(0))[:-2], row_axis, col_axis, exact_from=dt)
 
     def stage(buf: str, rows: int, cols: int, stride: int, row0: Expr, row_lim: int,
               element: Callable[[Expr, Expr], Expr], chunk: Chunk | None = None) -> None:

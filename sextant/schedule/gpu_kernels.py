@@ -618,9 +618,14 @@ from sextant.schedule.gpu_mma import gpu_mma_matmul_kernel, uses_tensor_cores  #
 
 
 def gpu_matmul(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    """Tensor cores for f16/bf16 on sm_80+ (``gpu_mma``), else the CUDA-core tiled GEMM."""
+    """Tensor cores for f16/bf16 on sm_80+ (``gpu_mma``) and for f32 when tf32 is allowed
+    (``gpu_tf32``), else the CUDA-core tiled GEMM (exact fp32)."""
+    from sextant.schedule.gpu_tf32 import gpu_tf32_matmul_kernel, uses_tf32
+
     if uses_tensor_cores(group, target):
         return gpu_mma_matmul_kernel(group, stored, target, name)
+    if uses_tf32(group, target):
+        return gpu_tf32_matmul_kernel(group, stored, target, name)
     return gpu_matmul_kernel(group, stored, target, name)
 
 

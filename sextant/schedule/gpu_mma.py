@@ -55,10 +55,11 @@ from sextant.kernel.ir import (
     Var,
 )
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
-from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, iadd, idiv, imod, imul, linearize
+from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, iadd, idiv, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
+from sextant.schedule.views import chunked
 
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
 PAD = 8  # elements added to each shared row (16 bytes): conflict-free, aligned ldmatrix rows
@@ -97,12 +98,22 @@ class TcTile:
 CANDIDATES = (TcTile(128, 128, 32, 2, 4), TcTile(64, 64, 32, 2, 2))
 
 
-def copies_async(x: Node, buffers: dict[int, str], batch: list[int]) -> bool:
-    """Whether tiles of operand ``x`` can be staged by ``cp.async`` in 16-byte chunks: ``x`` is a
-    kernel buffer (not a fused producer), indexed by the same batch dims, whose rows are a whole
-    number of chunks (so every chunk is 16-byte aligned — buffers start 16-byte aligned)."""
-    return (id(x) in buffers and len(x.shape) == len(batch) + 2 and list(x.shape[:-2]) == list(batch)
-            and x.shape[-1] * x.dtype.itemsize % 16 == 0)
+def gemm_operands(e: ValueEmitter, a: Node, b: Node, bidx: tuple[Expr, ...],
+                  batch: list[int]) -> tuple[Operand, Operand]:
+    """How the GEMM reads ``A`` and ``B`` of ``A·B``. A tile is copied by ``cp.async`` whenever the
+    operand is a strided view of a buffer with contiguous rows (``views.chunked``: the buffer, or a
+    reshape/slice/permute of it — a ``[B, S, D]`` activation seen as ``[B·S, D]``). ``B`` whose
+    *columns* are contiguous (``Wᵀ`` of a Linear's stored ``N×K`` weight) is staged ``N×K`` — the
+    layout ``mma``'s B operand wants — instead of gathering one strided element per lane; any other
+    operand (a fused producer) is evaluated element by element as its tile loads."""
+    a_op = Operand(lambda r, col: ([], lambda: e.value(a, (*bidx, r, col))), chunked(a, e.buffers, bidx, -2, -1))
+    b_nk = chunked(b, e.buffers, bidx, -1, -2)  # (n, k) -> chunk along k
+    if b_nk is not None:
+        return a_op, Operand(lambda n, k: ([], lambda: e.value(b, (*bidx, k, n))), b_nk, nk=True)
+    bt = transposed_source(b, e.buffers, batch)
+    if bt is not None:  # Wᵀ whose rows are not whole chunks: still N×K, element by element
+        return a_op, Operand(lambda n, k: ([], lambda: e.value(bt, (*bidx, n, k))), None, nk=True)
+    return a_op, Operand(lambda k, n: ([], lambda: e.value(b, (*bidx, k, n))), chunked(b, e.buffers, bidx, -2, -1))
 
 
 def transposed_source(b: Node, buffers: dict[int, str], batch: list[int]) -> Node | None:
@@ -155,6 +166,40 @@ class Operand:
     nk: bool = False
 
 
+def stage_tile(e: ValueEmitter, threads: int, dt: DType, buf: str, x: Operand, rows: int, cols: int, stride: int,
+               row0: Expr, col0: Expr, row_lim: int, col_lim: int, base: Expr) -> None:
+    """``buf[base + r·stride + col] = x[row0 + r, col0 + col]`` for one ``rows × cols`` tile, zero
+    outside the matrix, by the block's ``threads`` together: by ``cp.async`` in 16-byte chunks
+    when ``x`` has them, else element by element (its producer evaluated as it loads)."""
+    t = TID_X
+    if x.chunk is not None:
+        chunk = 16 // dt.itemsize
+        cpr = cols // chunk  # chunks per tile row
+        for p in range(rows * cols // chunk // threads):
+            el = iadd(t, c(p * threads))
+            if cpr >= 8:  # 8 consecutive lanes (one shared-memory wavefront) write 8 consecutive chunks
+                r, col = e.bind(idiv(el, cpr), "r"), e.bind(imul(imod(el, cpr), chunk), "cc")
+            else:  # ... or one chunk column of 8 rows, whose odd 16-byte stride spreads them over the banks
+                r = e.bind(iadd(imod(el, 8), imul(idiv(el, 8 * cpr), 8)), "r")
+                col = e.bind(imul(imod(idiv(el, 8), cpr), chunk), "cc")
+            gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
+            guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
+                          if lim % size])  # a chunk is all in or all out: col_lim is a multiple of it
+            src, at = x.chunk(gr, gc)
+            e.emit(CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), src, at, chunk, guard))
+        return
+    for p in range(rows * cols // threads):
+        el = iadd(t, c(p * threads))
+        r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
+        gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
+        slot = iadd(base, iadd(imul(r, stride), col))
+        extra, value = x.element(gr, gc)
+        guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
+                      if lim % size] + extra)
+        _guarded(e, guard, lambda slot=slot, value=value: e.emit(Store(buf, slot, value())),
+                 lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
+
+
 def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: int, bm: Expr, bn: Expr,
                   a: Operand, b: Operand, epilogue: Callable[[Expr, Expr, Expr], None]) -> tuple[list[Buffer],
                                                                                              tuple[Buffer, ...]]:
@@ -181,37 +226,6 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
     zero = Const(0.0, acc_t)
     _strided_loop(e, c(0), mi * ni * MMA.c_elems, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
 
-    def load(buf: str, x: Operand, rows: int, cols: int, stride: int, row0: Expr, col0: Expr,
-             row_lim: int, col_lim: int, base: Expr) -> None:
-        """``buf[base + r·stride + col] = x[row0 + r, col0 + col]``, zero outside the matrix: by
-        ``cp.async`` in 16-byte chunks when ``x`` has them, else element by element."""
-        if x.chunk is not None:
-            chunk = 16 // dt.itemsize
-            cpr = cols // chunk  # chunks per tile row
-            for p in range(rows * cols // chunk // tile.threads):
-                el = iadd(t, c(p * tile.threads))
-                if cpr >= 8:  # 8 consecutive lanes (one shared-memory wavefront) write 8 consecutive chunks
-                    r, col = e.bind(idiv(el, cpr), "r"), e.bind(imul(imod(el, cpr), chunk), "cc")
-                else:  # ... or one chunk column of 8 rows, whose odd 16-byte stride spreads them over the banks
-                    r = e.bind(iadd(imod(el, 8), imul(idiv(el, 8 * cpr), 8)), "r")
-                    col = e.bind(imul(imod(idiv(el, 8), cpr), chunk), "cc")
-                gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
-                guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
-                              if lim % size])  # a chunk is all in or all out: col_lim is a multiple of it
-                src, at = x.chunk(gr, gc)
-                e.emit(CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), src, at, chunk, guard))
-            return
-        for p in range(rows * cols // tile.threads):
-            el = iadd(t, c(p * tile.threads))
-            r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
-            gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
-            slot = iadd(base, iadd(imul(r, stride), col))
-            extra, value = x.element(gr, gc)
-            guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
-                          if lim % size] + extra)
-            _guarded(e, guard, lambda slot=slot, value=value: e.emit(Store(buf, slot, value())),
-                     lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
-
     a_row = iadd(wrow, imod(lane, 16))  # ldmatrix row addresses of this lane (see the module doc)
     a_col = imul(idiv(lane, 16), 8)
     if not b.nk:  # Bs is K×N: .trans; lanes 0-15 address k rows of n 0-7, lanes 16-31 of n 8-15
@@ -227,11 +241,11 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
         """Tile ``kt`` of A and B into stage ``kt % STAGES``, as one cp.async group."""
         st = imod(kt, STAGES)
         k0 = e.bind(imul(kt, tile.bk), "k0")
-        load("As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
+        stage_tile(e, tile.threads, dt, "As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
         if not b.nk:
-            load("Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
+            stage_tile(e, tile.threads, dt, "Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
         else:
-            load("Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
+            stage_tile(e, tile.threads, dt, "Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
 
     load_stage(c(0))  # the prologue: the first tile is in flight before the loop starts
     e.emit(CpAsyncCommit())
@@ -270,6 +284,16 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
 
     _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
 
+    store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue)
+    return shared, local
+
+
+def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0: Expr, wrow: Expr, wcol: Expr,
+                       lane: Expr, epilogue: Callable[[Expr, Expr, Expr], None]) -> None:
+    """``epilogue(row, col, acc)`` for every f32 accumulator of the warp's ``MI × NI`` tiles in the
+    local ``acc``, at the row and column of the C layout (the same for every mma shape), guarded
+    at the matrix edges."""
+    mi, ni = tile.mi, tile.ni
     g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")  # C layout: row g (+8), col 2t (+1)
 
     def out_tile(x: Var) -> None:
@@ -281,14 +305,13 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
                 guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((row, m, tile.bm), (col, n, tile.bn))
                               if lim % size])
                 slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
-                _guarded(e, guard, lambda: epilogue(row, col, Load("acc", slot, acc_t)))
+                _guarded(e, guard, lambda: epilogue(row, col, Load("acc", slot, DType.f32)))
 
             _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)
 
         _strided_loop(e, c(0), ni, 1, out_col, "nj", unroll=True)
 
     _strided_loop(e, c(0), mi, 1, out_tile, "mi", unroll=True)
-    return shared, local
 
 
 def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
@@ -305,21 +328,14 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
     bidx = delinearize(bz, batch) if batch else ()
 
-    def operand(x: Node, nk: bool = False) -> Operand:
-        chunk = None
-        if copies_async(x, e.buffers, batch):
-            chunk = lambda r, col: (e.buffers[id(x)], linearize((*bidx, r, col), x.shape))
-        return Operand(lambda r, col: ([], lambda: e.value(x, (*bidx, r, col))), chunk, nk)
-
-    bt = transposed_source(b, e.buffers, batch)  # B = Wᵀ of a stored N×K W: staged N×K
-    b_op = operand(bt, nk=True) if bt is not None else operand(b)
+    a_op, b_op = gemm_operands(e, a, b, bidx, batch)
 
     def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
         e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype), "c")
         store_epilogue(e, group, (*bidx, row, col))
         e.regs.pop(id(mm))
 
-    shared, local = emit_mma_gemm(e, tile, dt, m, n, k, bm, bn, operand(a), b_op, epilogue)
+    shared, local = emit_mma_gemm(e, tile, dt, m, n, k, bm, bn, a_op, b_op, epilogue)
     _check_shared(name, shared, target)
     meta = {"mapping": "tensor-core", "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
             "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": "m16n8k16." + dt.value}

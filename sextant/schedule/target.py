@@ -20,6 +20,7 @@ class TargetDesc:
     vector_bytes: int  # widest load/store
     max_threads: int  # threads per block
     is_gpu: bool = False
+    tf32: bool = False  # f32 matmuls may use tf32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
 
     @property
     def vector_width_f32(self) -> int:
@@ -52,13 +53,14 @@ def sm90_target() -> TargetDesc:
 _SMS = {80: 108, 86: 84, 89: 142, 90: 132, 100: 148}
 
 
-def gpu_target(arch: str = "sm_90") -> TargetDesc:
+def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
     """The GPU target for ``arch`` (``sm_80``, ``sm_90``, ``sm_90a``, ...): the same mappings, with the
-    SM count of that generation's data-centre part (unknown architectures get Hopper's)."""
+    SM count of that generation's data-centre part (unknown architectures get Hopper's). ``tf32``:
+    f32 matmuls may run on tf32 tensor cores (``schedule/gpu_tf32.py``); off, they are exact fp32."""
     digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
     if not arch.startswith("sm_") or not digits:
         raise ValueError(f"unknown GPU architecture {arch!r}; expected e.g. 'sm_80' or 'sm_90'")
     base = sm90_target()
     return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=base.shared_bytes,
-                      vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True)
+                      vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True, tf32=tf32)
 

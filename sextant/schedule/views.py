@@ -9,10 +9,13 @@ None when some reshape of a non-contiguous view would need a copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.kernel.ir import Expr
+from sextant.schedule.indexing import c, iadd, imul
 from sextant.schedule.indexing import strides as contiguous_strides
 
 
@@ -82,3 +85,30 @@ def _reshape_strides(old: tuple[int, ...], old_st: tuple[int, ...], new: tuple[i
         out[vd] = 1
         vd -= 1
     return tuple(out) if vd < 0 else None
+
+
+def chunked(x: Node, buffers: dict[int, str], lead: tuple[Expr, ...], row_axis: int, col_axis: int,
+            exact_from: DType | None = None) -> Callable[[Expr, Expr], tuple[str, Expr]] | None:
+    """``(row, col) -> (buffer, flat index)`` of the 16-byte chunk starting at element
+    ``(*lead, row, col)`` of ``x`` (``row``/``col`` along ``row_axis``/``col_axis``, the last two
+    dims in some order), when ``x`` is a strided view whose ``col_axis`` is contiguous and whose
+    offset and other strides keep every chunk 16-byte aligned (buffers start aligned) — so its
+    tiles can be copied by ``cp.async``; else None."""
+    view = strided_view(x, buffers, exact_from)
+    itemsize = (exact_from or x.dtype).itemsize
+    per = 16 // itemsize
+    if view is None or view.strides[col_axis] != 1 or view.offset % per or x.shape[col_axis] % per:
+        return None
+    lead_st, row_st = view.strides[:-2], view.strides[row_axis]
+    if row_st % per or any(k % per for k in lead_st):
+        return None
+    name = buffers[id(view.buffer)]
+
+    def index(row: Expr, col: Expr) -> tuple[str, Expr]:
+        flat = iadd(c(view.offset), iadd(imul(row, row_st), col))
+        for i, k in zip(lead, lead_st):
+            if k:
+                flat = iadd(flat, imul(i, k))
+        return name, flat
+
+    return index

@@ -1,0 +1,172 @@
+"""tf32 tensor cores for f32 matmuls, when the user allows them.
+
+f32 matmuls are exact fp32 by default, as eager PyTorch's are. With
+``torch.backends.cuda.matmul.allow_tf32 = True`` (or ``torch.set_float32_matmul_precision("high")``)
+at compile time — the flag eager's cuBLAS and Inductor read — the GPU target carries ``tf32``
+and f32 matmuls on sm_80+ run ``mma.sync.m16n8k8.tf32`` with f32 accumulation: the inputs keep
+10 of their 23 mantissa bits (the hardware ignores the rest), about 1e-3 relative error per
+product, eight times the throughput of CUDA-core fp32 on an H100.
+
+The block tiles, warp tiles, the 2-stage ``cp.async`` pipeline and the epilogue are those of the
+f16 GEMM (``gpu_mma``) with ``BK = 16``: an f32 tile of 128 rows × 32 would not fit twice in 48
+KiB next to B's. What differs is the fragments: ``ldmatrix`` moves 16-bit elements (its
+``.trans`` would split a 32-bit one), so each lane reads its own — A's ``(g + 8·(i&1), t + 4·(i>>1))``,
+B's ``(t + 4i, g)`` (``kernel.fragments``; ``g = lane/4``, ``t = lane%4``) — with plain shared loads.
+Row strides make those loads conflict-free: A (and an N×K-staged B) rows are ``16 + 4 = 20`` words,
+so the 8 rows ``g`` of a request start at 8 distinct multiples of 4 banks and the 4 ``t`` fill them;
+a K×N-staged B row is ``BN + 8`` words (≡ 8 mod 32), so the 4 rows ``t`` start 8 banks apart and the
+8 columns ``g`` fill them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sextant.graph.dtypes import DType
+from sextant.kernel.fragments import MMA_SHAPES
+from sextant.kernel.ir import (
+    Barrier,
+    Buffer,
+    Cast,
+    Const,
+    CpAsyncCommit,
+    CpAsyncWait,
+    Expr,
+    If,
+    Kernel,
+    Load,
+    Mma,
+    Store,
+    Var,
+)
+from sextant.schedule.gpu_kernels import TID_X, _bool, _check_shared, _grid, _strided_loop
+from sextant.schedule.gpu_mma import (
+    STAGES,
+    Operand,
+    TcTile,
+    gemm_operands,
+    sm_version,
+    stage_tile,
+    store_accumulators,
+)
+from sextant.schedule.indexing import ValueEmitter, c, delinearize, iadd, idiv, imod, imul
+from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+MMA8 = MMA_SHAPES[((16, 8, 8), "tf32")]
+BK = 16
+CANDIDATES = (TcTile(128, 128, BK, 2, 4), TcTile(64, 64, BK, 2, 2))
+PAD_ROWS_K = 4  # A and N×K-staged B: row stride BK + 4 = 20 words
+PAD_ROWS_N = 8  # K×N-staged B: row stride BN + 8 ≡ 8 (mod 32) words
+
+
+def uses_tf32(group: Group, target: TargetDesc) -> bool:
+    """An f32 matmul on sm_80+ for a target compiled with tf32 allowed."""
+    if not (target.is_gpu and target.tf32 and sm_version(target) >= 80):
+        return False
+    mm = group.anchor
+    a, b = mm.inputs
+    return a.dtype == b.dtype == mm.dtype == DType.f32 and mm.type.numel > 0
+
+
+def choose_tile(m: int, n: int, batch: int, target: TargetDesc) -> TcTile:
+    for tile in CANDIDATES:
+        if math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch >= target.cores:
+            return tile
+    return CANDIDATES[-1]
+
+
+def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Expr, bn: Expr, a: Operand,
+                   b: Operand, epilogue: Callable[[Expr, Expr, Expr], None]) -> tuple[list[Buffer], tuple[Buffer, ...]]:
+    """The block's ``tile`` of ``C = A·B`` on tf32 tensor cores, then ``epilogue(row, col, acc)``."""
+    f32 = DType.f32
+    a_stride = tile.bk + PAD_ROWS_K
+    b_stride = tile.bk + PAD_ROWS_K if b.nk else tile.bn + PAD_ROWS_N
+    sa = tile.bm * a_stride
+    sb = (tile.bn if b.nk else tile.bk) * b_stride
+    mi, ni = tile.mi, tile.ni
+    shared = [Buffer("As", f32, STAGES * sa, "shared"), Buffer("Bs", f32, STAGES * sb, "shared")]
+    local = (Buffer("fa", f32, mi * MMA8.a_elems, "local"), Buffer("fb", f32, ni * MMA8.b_elems, "local"),
+             Buffer("acc", f32, mi * ni * MMA8.c_elems, "local"))
+    lane = e.bind(imod(TID_X, 32), "lane")
+    warp = e.bind(idiv(TID_X, 32), "warp")
+    wrow = e.bind(imul(idiv(warp, tile.wn), tile.bm // tile.wm), "wrow")
+    wcol = e.bind(imul(imod(warp, tile.wn), tile.bn // tile.wn), "wcol")
+    i0, j0 = e.bind(imul(bm, tile.bm), "i0"), e.bind(imul(bn, tile.bn), "j0")
+    g, tq = e.bind(idiv(lane, 4), "g"), e.bind(imod(lane, 4), "t")
+    _strided_loop(e, c(0), mi * ni * MMA8.c_elems, 1, lambda u: e.emit(Store("acc", u, Const(0.0, f32))), "u",
+                  unroll=True)
+    k_tiles = -(-k // tile.bk)
+
+    def load_stage(kt: Expr) -> None:
+        st = imod(kt, STAGES)
+        k0 = e.bind(imul(kt, tile.bk), "k0")
+        stage_tile(e, tile.threads, f32, "As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
+        if b.nk:
+            stage_tile(e, tile.threads, f32, "Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
+        else:
+            stage_tile(e, tile.threads, f32, "Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
+
+    load_stage(c(0))
+    e.emit(CpAsyncCommit())
+
+    def k_tile(kt: Var) -> None:
+        nxt = iadd(kt, c(1))
+        with e.scope() as prefetch:
+            load_stage(nxt)
+        e.emit(If(_bool("lt", nxt, c(k_tiles)), tuple(prefetch)))
+        e.emit(CpAsyncCommit())
+        e.emit(CpAsyncWait(STAGES - 1))
+        e.emit(Barrier())
+        a_base = e.bind(imul(imod(kt, STAGES), sa), "sa")
+        b_base = e.bind(imul(imod(kt, STAGES), sb), "sb")
+        for ks in range(0, tile.bk, MMA8.k):
+            for x in range(mi):
+                for i in range(MMA8.a_elems):  # a_i = A[g + 8(i&1)][t + 4(i>>1)]
+                    row = iadd(wrow, iadd(g, c(16 * x + 8 * (i & 1))))
+                    at = iadd(a_base, iadd(imul(row, a_stride), iadd(tq, c(ks + 4 * (i >> 1)))))
+                    e.emit(Store("fa", c(x * MMA8.a_elems + i), Load("As", at, f32)))
+            for y in range(ni):
+                for i in range(MMA8.b_elems):  # b_i = B[t + 4i][g]
+                    col = iadd(wcol, iadd(g, c(8 * y)))
+                    kk = iadd(tq, c(ks + 4 * i))
+                    at = iadd(imul(col, b_stride), kk) if b.nk else iadd(imul(kk, b_stride), col)
+                    e.emit(Store("fb", c(y * MMA8.b_elems + i), Load("Bs", iadd(b_base, at), f32)))
+            for x in range(mi):
+                for y in range(ni):
+                    acc = c((x * ni + y) * MMA8.c_elems)
+                    e.emit(Mma((16, 8, 8), "acc", acc, "fa", c(x * MMA8.a_elems), "fb", c(y * MMA8.b_elems),
+                               "acc", acc))
+        e.emit(Barrier())
+
+    _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
+    store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue)
+    return shared, local
+
+
+def gpu_tf32_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    mm = group.anchor
+    a, b = mm.inputs
+    *batch, m, k = a.shape
+    n = b.shape[-1]
+    nb = math.prod(batch)
+    tile = choose_tile(m, n, nb, target)
+    e, params, _ = setup_kernel(group, stored)
+    grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
+    bidx = delinearize(bz, batch) if batch else ()
+
+    a_op, b_op = gemm_operands(e, a, b, bidx, batch)
+
+    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+        e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype) if mm.dtype != DType.f32 else acc, "c")
+        store_epilogue(e, group, (*bidx, row, col))
+        e.regs.pop(id(mm))
+
+    shared, local = emit_tf32_gemm(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue)
+    _check_shared(name, shared, target)
+    meta = {"mapping": "tensor-core-tf32", "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
+            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": "m16n8k8.tf32"}
+    return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
+                  local=local, meta=meta)
