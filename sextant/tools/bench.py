@@ -168,8 +168,8 @@ def to_markdown(rows: list[dict[str, object]]) -> str:
 
 
 def profile_markdown(rows: list[dict[str, object]]) -> str:
-    lines = ["| model | sextant ms | matmul | conv | reduce | elementwise | overhead | slowest launch |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | sextant ms | matmul | conv | attention | reduce | elementwise | overhead | slowest launch |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.get("profile")
         if not isinstance(p, dict):
@@ -182,7 +182,8 @@ def profile_markdown(rows: list[dict[str, object]]) -> str:
 
         ms, what = p["worst"]
         lines.append(f"| {r['model']} | {total:.2f} | " + " | ".join(share(kinds.get(k, 0.0)) for k in
-                                                                    ("matmul", "conv", "reduce", "elementwise"))
+                                                                    ("matmul", "conv", "attention", "reduce",
+                                                                     "elementwise"))
                      + f" | {share(p['overhead_ms'])} | {ms:.2f} ms {what} |")
     return "\n".join(lines)
 
