@@ -95,6 +95,11 @@ class OnnxCompiledModule:
             tensors.append(t)
         return tensors, as_numpy
 
+    def flat_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+        """The graph's input tensors for a call (as :meth:`CompiledModule.flat_inputs`): what
+        counting and profiling tools feed the program directly."""
+        return self._tensors(args, kwargs)[0]
+
     def run(self, feed: Mapping[str, Any], output_names: Sequence[str] | None = None) -> list[Any]:
         """onnxruntime's ``session.run(None, feed)``: every output, as a list (``output_names`` unsupported)."""
         if output_names is not None:

@@ -36,6 +36,7 @@ def test_compile_dump_all_and_report(model_file: Path, tmp_path: Path) -> None:
     assert (out_dir / "index.md").exists() and any(out_dir.rglob("*.ptx"))
     assert "mlp.onnx" in (out_dir / "index.md").read_text()
     assert report.stat().st_size > 10_000
+    assert "cuda-sim counters" in report.read_text()  # an ONNX model's inputs feed the counting run too
 
 
 def test_run_compares_with_onnxruntime(model_file: Path) -> None:
