@@ -100,6 +100,11 @@ def bench_model(name: str, inductor: bool) -> dict[str, object]:
         row["inductor_compile_s"] = time.perf_counter() - t0
         with torch.no_grad():
             row["inductor_ms"] = _median_time(lambda: opt(*args)) * 1e3
+        # Inductor's compile workers stay alive (and busy) after it returns; on 2 cores they
+        # landed in the next model's timings (a 0.1 ms CNN measured at 0.7 ms): stop them
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
     return row
 
 
