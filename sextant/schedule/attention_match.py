@@ -205,8 +205,8 @@ def _iota_axis(n: Node) -> int | None:
 
 
 def _causal_where(n: Node) -> bool:
-    """``where(key <= query, x, -inf)`` — the causal mask SDPA's lowering writes when it is not
-    folded to a constant (sequences longer than the folding limit)."""
+    """``where(key <= query, x, -inf)`` — the causal mask SDPA's lowering writes (constant folding
+    keeps such index predicates, so it reaches the schedule as this comparison of iotas)."""
     if n.op != "where" or not _is_full(n.inputs[2], -math.inf):
         return False
     cond = _strip_expand(n.inputs[0])

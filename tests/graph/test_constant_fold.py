@@ -353,3 +353,26 @@ def test_weights_meet_folded_constants_but_stay_weights(assert_equivalent):
     assert g2.params["w"] is g.params["w"]
     torch.testing.assert_close(g2.params["folded.0"], torch.tensor([1.0, 2.0, 3.0]))
     assert_equivalent(g, g2)
+
+
+def test_a_causal_mask_on_computed_values_stays_a_comparison(assert_equivalent):
+    """``where(key <= query, x, -inf)`` keeps its comparison of iotas (a kernel recomputes it with
+    one compare, and fused attention recognises it); the same predicate folded into a constant
+    mask, or combined with other constants, still folds into one table."""
+    b = GraphBuilder()
+    x = b.input("x", (8, 8), F32)
+    keep = b.binary("le", b.iota((8, 8), 1), b.iota((8, 8), 0))
+    g = b.build([b.where(keep, x, -math.inf)])
+    g2 = fold(g)
+    assert not g2.params and "le(" in print_graph(g2)
+    assert_equivalent(g, g2)
+
+    b = GraphBuilder()
+    x = b.input("x", (8, 8), F32)
+    keep = b.binary("le", b.iota((8, 8), 1), b.iota((8, 8), 0))
+    additive = b.where(keep, b.full(0.0, (8, 8), F32), -1e9)  # a constant mask: one table
+    combined = b.binary("bitwise_and", keep, b.binary("ne", b.iota((8, 8), 1), b.full(3, (8, 8), DType.i64)))
+    g = b.build([b.add(x, additive), b.where(combined, x, 0.0)])
+    g2 = fold(g)
+    assert "le(" not in print_graph(g2) and len(g2.params) == 2
+    assert_equivalent(g, g2)

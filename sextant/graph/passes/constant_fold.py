@@ -7,8 +7,10 @@
    a reduction over no elements is its identity (``-inf`` for a float ``max``), as in the reference.
 2. Any other node whose operands are all compile-time constants (``full``, ``iota``, or
    nodes folded already) is evaluated with the reference executor and becomes a ``param``
-   named ``folded.<n>`` (or a ``full`` if the result is uniform) — e.g. the causal mask
-   GPT-2 builds from ``arange``. Only results of at most
+   named ``folded.<n>`` (or a ``full`` if the result is uniform) — e.g. the rotary tables
+   built from ``arange``. A comparison of two iotas (the causal mask ``key <= query``) is the
+   exception: it stays, since a kernel recomputes it with a compare and a fused attention kernel
+   recognises it. Only results of at most
    ``max(65536, largest materialised operand)`` elements fold; an ``expand`` whose result
    would become a param is never folded (its operand is), as it would only cost memory.
 
@@ -30,7 +32,7 @@ import torch
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node, make_node
-from sextant.graph.ops import SOURCES, is_elementwise
+from sextant.graph.ops import BINARY_CMP, SOURCES, is_elementwise
 from sextant.graph.passes.dce import live_nodes
 from sextant.graph.passes.rewrite import rebuild, replace_nodes
 from sextant.graph.reference import _identity as reduction_identity
@@ -120,11 +122,64 @@ def _uniform(t: torch.Tensor) -> bool:
     return t.numel() == 0 or bool((flat == flat[0]).all())
 
 
+def _index_predicate(n: Node, indexed: set[Node], users: dict[Node, list[Node]], constant: dict[Node, bool]) -> bool:
+    """A comparison of two iotas (re-indexed) that only selects between computed values — the causal
+    mask ``where(key <= query, scores, -inf)``: recomputing it in a kernel is one compare per
+    element, folding it a table of that many bytes to load, and a fused attention kernel could no
+    longer see its structure. Such nodes stay. Only this narrow form: a predicate combined into a
+    constant mask (HF's causal-and-padding masks) folds into one table, cheaper loaded."""
+    if n.op not in BINARY_CMP or not all(i in indexed for i in n.inputs):
+        return False
+    selects, stack = [], [n]
+    while stack:  # its uses, through broadcasts and reshapes
+        x = stack.pop()
+        for u in users[x]:
+            if u.op in ("expand", "reshape"):
+                stack.append(u)
+            elif u.op == "where" and u.inputs[0] is x:
+                selects.append(u)
+            else:
+                return False
+    return bool(selects) and all(not all(_constant(x, constant) for x in u.inputs[1:]) for u in selects)
+
+
+def _constant(n: Node, memo: dict[Node, bool]) -> bool:
+    """Whether ``n`` is computed from ``full``/``iota`` alone (iteratively, memoised)."""
+    stack = [n]
+    while stack:
+        x = stack[-1]
+        if x in memo:
+            stack.pop()
+            continue
+        if x.op in ("input", "param"):
+            memo[x] = False
+        elif not x.inputs:
+            memo[x] = True
+        else:
+            pending = [i for i in x.inputs if i not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[x] = all(memo[i] for i in x.inputs)
+        stack.pop()
+    return memo[n]
+
+
 def foldable(graph: Graph) -> set[Node]:
-    """Non-source nodes computed from ``full``/``iota`` only, within the size budget."""
+    """Non-source nodes computed from ``full``/``iota`` only, within the size budget — except index
+    predicates (:func:`_index_predicate`)."""
     out: set[Node] = set()
+    indexed: set[Node] = set()  # iotas and their re-indexings
+    users = graph.users()
+    constant: dict[Node, bool] = {}
     for n in graph.nodes:
+        if n.op == "iota":
+            indexed.add(n)
         if n.op in SOURCES or n.op == "input":
+            continue
+        if n.op in _SAME_VALUE_MOVEMENT and n.op != "gather" and n.inputs[0] in indexed:
+            indexed.add(n)
+        if _index_predicate(n, indexed, users, constant):
             continue
         materialised = [i.type.numel for i in n.inputs if i in out]
         bound = max([MIN_FOLD_NUMEL, *materialised])
