@@ -144,13 +144,14 @@ def uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
     return a.dtype == b.dtype == mm.dtype and a.dtype in TC_DTYPES and mm.type.numel > 0
 
 
-def choose_tile(m: int, n: int, batch: int, target: TargetDesc) -> TcTile:
-    """The largest candidate that still gives at least one block per SM, else the smallest (a
-    small problem cannot fill the GPU either way; smaller tiles waste less work on the edges)."""
-    for tile in CANDIDATES:
+def choose_tile(m: int, n: int, batch: int, target: TargetDesc,
+                candidates: tuple[TcTile, ...] = CANDIDATES) -> TcTile:
+    """The largest of ``candidates`` that still gives at least one block per SM, else the smallest
+    (a small problem cannot fill the GPU either way; smaller tiles waste less work on the edges)."""
+    for tile in candidates:
         if math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch >= target.cores:
             return tile
-    return CANDIDATES[-1]
+    return candidates[-1]
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,41 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
         b_row = iadd(wcol, iadd(imul(idiv(lane, 16), 8), imod(lane, 8)))
         b_col = imul(imod(idiv(lane, 8), 2), 8)
 
+    def k_step(a_base: Expr, b_base: Expr) -> None:
+        for ks in range(0, tile.bk, MMA.k):
+            for x in range(mi):
+                e.emit(LdMatrix("fa", c(x * MMA.a_elems), "As",
+                                iadd(a_base, iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks)))), 4))
+            for p in range(ni // 2):
+                if not b.nk:
+                    at = iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16)))
+                else:
+                    at = iadd(imul(iadd(b_row, c(p * 16)), b_stride), iadd(b_col, c(ks)))
+                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs", iadd(b_base, at), 4, trans=not b.nk))
+
+            def mma_row(x: Var) -> None:
+                def mma(y: Var) -> None:
+                    acc = imul(iadd(imul(x, ni), y), MMA.c_elems)
+                    e.emit(Mma((16, 8, 16), "acc", acc, "fa", imul(x, MMA.a_elems), "fb", imul(y, MMA.b_elems),
+                               "acc", acc))
+
+                _strided_loop(e, c(0), ni, 1, mma, "nj", unroll=True)
+
+            _strided_loop(e, c(0), mi, 1, mma_row, "mi", unroll=True)
+
+    pipelined_k_loop(e, tile, dt, m, n, k, i0, j0, a, b, (a_stride, b_stride), (sa, sb), k_step)
+    store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue)
+    return shared, local
+
+
+def pipelined_k_loop(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: int, i0: Expr, j0: Expr,
+                     a: Operand, b: Operand, strides: tuple[int, int], stage_elems: tuple[int, int],
+                     step: Callable[[Expr, Expr], None]) -> None:
+    """The K loop of the tensor-core GEMMs, ``STAGES`` shared-memory stages deep: tile 0 is staged
+    before the loop; each iteration issues tile ``kt + 1`` into the other stage (one ``cp.async``
+    group), waits for tile ``kt`` and a barrier, runs ``step(a_base, b_base)`` on its stage (the
+    offsets of A's and B's tile in ``As``/``Bs``), and ends on a barrier before the stage is reused."""
+    (a_stride, b_stride), (sa, sb) = strides, stage_elems
     k_tiles = -(-k // tile.bk)
 
     def load_stage(kt: Expr) -> None:
@@ -258,34 +294,10 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
         e.emit(CpAsyncCommit())
         e.emit(CpAsyncWait(STAGES - 1))
         e.emit(Barrier())
-        a_base = e.bind(imul(imod(kt, STAGES), sa), "sa")
-        b_base = e.bind(imul(imod(kt, STAGES), sb), "sb")
-        for ks in range(0, tile.bk, MMA.k):
-            for x in range(mi):
-                e.emit(LdMatrix("fa", c(x * MMA.a_elems), "As",
-                                iadd(a_base, iadd(imul(iadd(a_row, c(x * 16)), a_stride), iadd(a_col, c(ks)))), 4))
-            for p in range(ni // 2):
-                if not b.nk:
-                    at = iadd(imul(iadd(b_row, c(ks)), b_stride), iadd(b_col, c(p * 16)))
-                else:
-                    at = iadd(imul(iadd(b_row, c(p * 16)), b_stride), iadd(b_col, c(ks)))
-                e.emit(LdMatrix("fb", c(p * 2 * MMA.b_elems), "Bs", iadd(b_base, at), 4, trans=not b.nk))
-
-            def mma_row(x: Var) -> None:
-                def mma(y: Var) -> None:
-                    acc = imul(iadd(imul(x, ni), y), MMA.c_elems)
-                    e.emit(Mma((16, 8, 16), "acc", acc, "fa", imul(x, MMA.a_elems), "fb", imul(y, MMA.b_elems),
-                               "acc", acc))
-
-                _strided_loop(e, c(0), ni, 1, mma, "nj", unroll=True)
-
-            _strided_loop(e, c(0), mi, 1, mma_row, "mi", unroll=True)
+        step(e.bind(imul(imod(kt, STAGES), sa), "sa"), e.bind(imul(imod(kt, STAGES), sb), "sb"))
         e.emit(Barrier())
 
     _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
-
-    store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue)
-    return shared, local
 
 
 def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0: Expr, wrow: Expr, wcol: Expr,
@@ -314,31 +326,43 @@ def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, 
     _strided_loop(e, c(0), mi, 1, out_tile, "mi", unroll=True)
 
 
-def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str, tile: TcTile,
+                              emit: Callable[..., tuple[list[Buffer], tuple[Buffer, ...]]], mapping: str,
+                              mma: str) -> Kernel:
+    """A matmul group as one tensor-core GEMM per ``tile`` of C: the grid, the operands
+    (``gemm_operands``) and the fused epilogue around ``emit`` (``emit_mma_gemm`` or the tf32 body,
+    called as ``emit(e, tile, m, n, k, bm, bn, a, b, epilogue)``)."""
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape
     n = b.shape[-1]
     nb = math.prod(batch)
-    dt = a.dtype
-    if accum_dtype(mm.dtype) != DType.f32:
-        raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {accum_dtype(mm.dtype).value}")
-    tile = choose_tile(m, n, nb, target)
     e, params, _ = setup_kernel(group, stored)
     grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
     bidx = delinearize(bz, batch) if batch else ()
-
     a_op, b_op = gemm_operands(e, a, b, bidx, batch)
 
     def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
-        e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype), "c")
+        e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype) if mm.dtype != DType.f32 else acc, "c")
         store_epilogue(e, group, (*bidx, row, col))
         e.regs.pop(id(mm))
 
-    shared, local = emit_mma_gemm(e, tile, dt, m, n, k, bm, bn, a_op, b_op, epilogue)
+    shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue)
     _check_shared(name, shared, target)
-    meta = {"mapping": "tensor-core", "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
-            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": "m16n8k16." + dt.value}
+    meta = {"mapping": mapping, "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
+            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": mma}
     return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
                   local=local, meta=meta)
 
+
+def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    mm = group.anchor
+    (*batch, m, _), n, dt = mm.inputs[0].shape, mm.shape[-1], mm.inputs[0].dtype
+    if accum_dtype(mm.dtype) != DType.f32:
+        raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {accum_dtype(mm.dtype).value}")
+    tile = choose_tile(m, n, math.prod(batch), target)
+
+    def emit(e: ValueEmitter, tile: TcTile, *rest: object) -> tuple[list[Buffer], tuple[Buffer, ...]]:
+        return emit_mma_gemm(e, tile, dt, *rest)  # type: ignore[arg-type]
+
+    return tensor_core_matmul_kernel(group, stored, target, name, tile, emit, "tensor-core", "m16n8k16." + dt.value)

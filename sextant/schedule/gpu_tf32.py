@@ -7,8 +7,9 @@ and f32 matmuls on sm_80+ run ``mma.sync.m16n8k8.tf32`` with f32 accumulation: t
 10 of their 23 mantissa bits (the hardware ignores the rest), about 1e-3 relative error per
 product, eight times the throughput of CUDA-core fp32 on an H100.
 
-The block tiles, warp tiles, the 2-stage ``cp.async`` pipeline and the epilogue are those of the
-f16 GEMM (``gpu_mma``) with ``BK = 16``: an f32 tile of 128 rows × 32 would not fit twice in 48
+The block tiles, warp tiles, the 2-stage ``cp.async`` pipeline (``pipelined_k_loop``), the
+kernel around them (``tensor_core_matmul_kernel``) and the epilogue are those of the f16 GEMM
+(``gpu_mma``) with ``BK = 16``: an f32 tile of 128 rows × 32 would not fit twice in 48
 KiB next to B's. What differs is the fragments: ``ldmatrix`` moves 16-bit elements (its
 ``.trans`` would split a 32-bit one), so each lane reads its own — A's ``(g + 8·(i&1), t + 4·(i>>1))``,
 B's ``(t + 4i, g)`` (``kernel.fragments``; ``g = lane/4``, ``t = lane%4``) — with plain shared loads.
@@ -26,32 +27,26 @@ from collections.abc import Callable
 from sextant.graph.dtypes import DType
 from sextant.kernel.fragments import MMA_SHAPES
 from sextant.kernel.ir import (
-    Barrier,
     Buffer,
-    Cast,
     Const,
-    CpAsyncCommit,
-    CpAsyncWait,
     Expr,
-    If,
     Kernel,
     Load,
     Mma,
     Store,
-    Var,
 )
-from sextant.schedule.gpu_kernels import TID_X, _bool, _check_shared, _grid, _strided_loop
+from sextant.schedule.gpu_kernels import TID_X, _strided_loop
 from sextant.schedule.gpu_mma import (
     STAGES,
     Operand,
     TcTile,
-    gemm_operands,
+    choose_tile,
+    pipelined_k_loop,
     sm_version,
-    stage_tile,
     store_accumulators,
+    tensor_core_matmul_kernel,
 )
-from sextant.schedule.indexing import ValueEmitter, c, delinearize, iadd, idiv, imod, imul
-from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imod, imul
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 
@@ -69,13 +64,6 @@ def uses_tf32(group: Group, target: TargetDesc) -> bool:
     mm = group.anchor
     a, b = mm.inputs
     return a.dtype == b.dtype == mm.dtype == DType.f32 and mm.type.numel > 0
-
-
-def choose_tile(m: int, n: int, batch: int, target: TargetDesc) -> TcTile:
-    for tile in CANDIDATES:
-        if math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch >= target.cores:
-            return tile
-    return CANDIDATES[-1]
 
 
 def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Expr, bn: Expr, a: Operand,
@@ -98,30 +86,7 @@ def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Ex
     g, tq = e.bind(idiv(lane, 4), "g"), e.bind(imod(lane, 4), "t")
     _strided_loop(e, c(0), mi * ni * MMA8.c_elems, 1, lambda u: e.emit(Store("acc", u, Const(0.0, f32))), "u",
                   unroll=True)
-    k_tiles = -(-k // tile.bk)
-
-    def load_stage(kt: Expr) -> None:
-        st = imod(kt, STAGES)
-        k0 = e.bind(imul(kt, tile.bk), "k0")
-        stage_tile(e, tile.threads, f32, "As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
-        if b.nk:
-            stage_tile(e, tile.threads, f32, "Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
-        else:
-            stage_tile(e, tile.threads, f32, "Bs", b, tile.bk, tile.bn, b_stride, k0, j0, k, n, imul(st, sb))
-
-    load_stage(c(0))
-    e.emit(CpAsyncCommit())
-
-    def k_tile(kt: Var) -> None:
-        nxt = iadd(kt, c(1))
-        with e.scope() as prefetch:
-            load_stage(nxt)
-        e.emit(If(_bool("lt", nxt, c(k_tiles)), tuple(prefetch)))
-        e.emit(CpAsyncCommit())
-        e.emit(CpAsyncWait(STAGES - 1))
-        e.emit(Barrier())
-        a_base = e.bind(imul(imod(kt, STAGES), sa), "sa")
-        b_base = e.bind(imul(imod(kt, STAGES), sb), "sb")
+    def k_step(a_base: Expr, b_base: Expr) -> None:
         for ks in range(0, tile.bk, MMA8.k):
             for x in range(mi):
                 for i in range(MMA8.a_elems):  # a_i = A[g + 8(i&1)][t + 4(i>>1)]
@@ -139,34 +104,15 @@ def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Ex
                     acc = c((x * ni + y) * MMA8.c_elems)
                     e.emit(Mma((16, 8, 8), "acc", acc, "fa", c(x * MMA8.a_elems), "fb", c(y * MMA8.b_elems),
                                "acc", acc))
-        e.emit(Barrier())
 
-    _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
+    pipelined_k_loop(e, tile, f32, m, n, k, i0, j0, a, b, (a_stride, b_stride), (sa, sb), k_step)
     store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue)
     return shared, local
 
 
 def gpu_tf32_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     mm = group.anchor
-    a, b = mm.inputs
-    *batch, m, k = a.shape
-    n = b.shape[-1]
-    nb = math.prod(batch)
-    tile = choose_tile(m, n, nb, target)
-    e, params, _ = setup_kernel(group, stored)
-    grid, (bn, bm, bz) = _grid(e, (-(-n // tile.bn), -(-m // tile.bm), nb))
-    bidx = delinearize(bz, batch) if batch else ()
-
-    a_op, b_op = gemm_operands(e, a, b, bidx, batch)
-
-    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
-        e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype) if mm.dtype != DType.f32 else acc, "c")
-        store_epilogue(e, group, (*bidx, row, col))
-        e.regs.pop(id(mm))
-
-    shared, local = emit_tf32_gemm(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue)
-    _check_shared(name, shared, target)
-    meta = {"mapping": "tensor-core-tf32", "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
-            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": "m16n8k8.tf32"}
-    return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
-                  local=local, meta=meta)
+    (*batch, m, _), n = mm.inputs[0].shape, mm.shape[-1]
+    tile = choose_tile(m, n, math.prod(batch), target, CANDIDATES)
+    return tensor_core_matmul_kernel(group, stored, target, name, tile, emit_tf32_gemm, "tensor-core-tf32",
+                                     "m16n8k8.tf32")
