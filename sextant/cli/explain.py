@@ -158,6 +158,10 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
         p(total)
     if cost_note:
         p(f"({cost_note})")
+    if program.rewrites:
+        p("\nrewrites:")
+        for n in program.rewrites:
+            p(f"  - {n}")
     if program.notes:
         p("\nfusions refused:")
         for n in program.notes:

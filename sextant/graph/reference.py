@@ -132,6 +132,8 @@ def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = No
         x, idx = args
         return torch.gather(x, node.attr("axis"), idx.to(torch.int64))
     if op == "matmul":
+        if node.dtype != node.inputs[0].dtype:  # a mixed-precision product: f32 accumulation and result
+            return torch.matmul(args[0].float(), args[1].float())
         return torch.matmul(args[0], args[1])
     if op == "conv":
         return _conv(node, args[0], args[1])

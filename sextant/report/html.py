@@ -264,9 +264,11 @@ class _Report:
 
     def graph_ir(self) -> str:
         notes = "".join(f"<li>{esc(n)}</li>" for n in self.program.notes)
+        rewrites = "".join(f"<li>{esc(n)}</li>" for n in self.program.rewrites)
         return ('<section id="graph-ir"><h2>Graph IR and schedule</h2>'
                 + _listing("Graph IR after the pass pipeline", print_graph(self.compiled.graph), "-")
                 + _listing("Schedule", self.program.describe(), "-")
+                + (f"<h3>Rewrites</h3><ul>{rewrites}</ul>" if rewrites else "")
                 + (f"<h3>Fusions refused</h3><ul>{notes}</ul>" if notes else "") + "</section>")
 
 

@@ -193,6 +193,7 @@ def save(compiled: CompiledModule, path: str | Path) -> Path:
                      "dtype": program.buffers[b].node.dtype.value} for b in program.outputs],
         "arena_bytes": program.arena_bytes,
         "notes": list(program.notes),
+        "rewrites": list(program.rewrites),
         "files": {name: {"sha256": _sha256(data), "bytes": len(data)} for name, data in files.items()},
     }
     (out / MANIFEST).write_text(_dumps(manifest))
@@ -546,7 +547,7 @@ def _build_program(manifest: dict[str, Any], files: dict[str, bytes]) -> Program
         if not 0 <= b < len(buffers) or buffers[b].node is not node:
             raise ArtifactError(f"{MANIFEST}: output {k} is buffer {b}, which does not hold the graph's output {k}")
     return Program(graph, target, [], kernels, launches, buffers, outputs, arena, constants,
-                   list(manifest.get("notes", [])))
+                   list(manifest.get("notes", [])), rewrites=list(manifest.get("rewrites", [])))
 
 
 def _load_weights(data: bytes) -> dict[str, torch.Tensor]:

@@ -42,6 +42,9 @@ def describe_program(p: Program) -> str:
         lines.append(f"        buffers ({args})")
         if locs:
             lines.append(f"        from {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")
+    if p.rewrites:
+        lines.append("  rewrites:")
+        lines += [f"    - {n}" for n in p.rewrites]
     if p.notes:
         lines.append("  fusions refused:")
         lines += [f"    - {n}" for n in p.notes]

@@ -135,13 +135,28 @@ def sm_version(target: TargetDesc) -> int:
     return int(m.group(1)) if m else 0
 
 
-def uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
-    """An f16/bf16 matmul on sm_80 or newer (mma.sync m16n8k16 with f32 accumulation)."""
+def half_product(mm: Node, target: TargetDesc) -> bool:
+    """An f16/bf16 matmul (to f16/bf16, or to f32: split-K's partials) on sm_80 or newer
+    (mma.sync m16n8k16 with f32 accumulation)."""
     if not target.is_gpu or sm_version(target) < 80:
         return False
-    mm = group.anchor
     a, b = mm.inputs
-    return a.dtype == b.dtype == mm.dtype and a.dtype in TC_DTYPES and mm.type.numel > 0
+    return (a.dtype == b.dtype and a.dtype in TC_DTYPES and mm.dtype in (a.dtype, DType.f32)
+            and mm.type.numel > 0)
+
+
+def tensor_core_product(mm: Node, target: TargetDesc) -> bool:
+    """A matmul node the GPU runs on tensor cores: f16/bf16 (:func:`half_product`), or f32 when the
+    target allows tf32 (``gpu_tf32``)."""
+    a, b = mm.inputs
+    tf32 = (target.is_gpu and target.tf32 and sm_version(target) >= 80 and mm.type.numel > 0
+            and a.dtype == b.dtype == mm.dtype == DType.f32)
+    return half_product(mm, target) or tf32
+
+
+def uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
+    """The group's matmul runs on the f16/bf16 tensor-core GEMM below."""
+    return half_product(group.anchor, target)
 
 
 def choose_tile(m: int, n: int, batch: int, target: TargetDesc,

@@ -42,9 +42,9 @@ from sextant.schedule.gpu_mma import (
     TcTile,
     choose_tile,
     pipelined_k_loop,
-    sm_version,
     store_accumulators,
     tensor_core_matmul_kernel,
+    tensor_core_product,
 )
 from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imod, imul
 from sextant.schedule.partition import Group
@@ -59,11 +59,7 @@ PAD_ROWS_N = 8  # K×N-staged B: row stride BN + 8 ≡ 8 (mod 32) words
 
 def uses_tf32(group: Group, target: TargetDesc) -> bool:
     """An f32 matmul on sm_80+ for a target compiled with tf32 allowed."""
-    if not (target.is_gpu and target.tf32 and sm_version(target) >= 80):
-        return False
-    mm = group.anchor
-    a, b = mm.inputs
-    return a.dtype == b.dtype == mm.dtype == DType.f32 and mm.type.numel > 0
+    return tensor_core_product(group.anchor, target) and group.anchor.dtype == group.anchor.inputs[0].dtype == DType.f32
 
 
 def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Expr, bn: Expr, a: Operand,

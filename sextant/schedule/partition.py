@@ -570,14 +570,17 @@ class _Fusion:
 
 
 def _drop_stored_reshapes(groups: list[Group], stored: set[int], outputs: set[int]) -> None:
-    """A stored epilogue ``reshape`` of another stored member is the same bytes: consumers can
-    index the member's buffer instead, so the reshape leaves the kernel."""
+    """A stored epilogue ``reshape`` (or chain of reshapes) of another stored member is the same
+    bytes: consumers can index the member's buffer instead, so the reshape leaves the kernel."""
     for g in groups:
         members = {id(m) for m in g.members}
         kept = []
         for m in g.members:
+            src = m.inputs[0] if m.op == "reshape" else m
+            while src.op == "reshape" and id(src) in members and id(src) not in stored:
+                src = src.inputs[0]
             if (m.op == "reshape" and id(m) in stored and id(m) not in outputs
-                    and id(m.inputs[0]) in stored and id(m.inputs[0]) in members):
+                    and id(src) in stored and id(src) in members):
                 stored.discard(id(m))
                 members.discard(id(m))
             else:

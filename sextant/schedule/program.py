@@ -24,6 +24,7 @@ from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, external_buffers
 from sextant.schedule.partition import Group, partition
+from sextant.schedule.split_k import split_k
 from sextant.schedule.target import TargetDesc
 from sextant.work import WorkCounter
 
@@ -64,6 +65,7 @@ class Program:
     # assembled the program's PTX: shown in the schedule dump next to each launch
     resources: dict[str, Any] = field(default_factory=dict)
     work: WorkCounter = field(default_factory=WorkCounter)  # what scheduling did (for scaling tests)
+    rewrites: list[str] = field(default_factory=list)  # graph rewrites the target's schedule made (split-K)
 
     @property
     def peak_bytes(self) -> int:
@@ -158,8 +160,11 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     """The program for ``graph`` on ``target``; ``work`` (also kept on the program) counts what
     fusion and kernel generation did."""
     work = work if work is not None else WorkCounter()
+    split_notes: list[str] = []
     if not target.is_gpu:
         graph = explicit_padding(graph)
+    else:
+        graph, split_notes = split_k(graph, target)
     groups = partition(graph, work, store_conv_inputs=not target.is_gpu, attention_refusal=attention_refusal(target))
     packed = prepack_weights(graph, groups)
     if not target.is_gpu:
@@ -223,4 +228,4 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     used = {a for launch in launches for a in launch.args} | set(outputs)
     constants = {k: v for k, v in constants.items() if k in used}
     return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes,
-                   work=work)
+                   work=work, rewrites=split_notes)
