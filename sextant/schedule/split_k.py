@@ -42,13 +42,13 @@ MAX_SPLITS = 16  # beyond this the f32 partials cost more traffic than the idle 
 def split_factor(m: int, n: int, k: int, batch: int, target: TargetDesc) -> int:
     """How many K slices a tensor-core product ``[batch] m × k · k × n`` should run as (1: none).
 
-    Enough slices that the smallest candidate tile's blocks cover every SM once, no more than
-    ``k // MIN_SLICE_K`` (short slices are all prologue and epilogue) nor :data:`MAX_SPLITS`."""
+    As many slices as keep the smallest candidate tile's blocks within one wave over the SMs (a
+    problem that already occupies more than half of them is left alone: a second, partial wave
+    would cost what the split saves), no more than ``k // MIN_SLICE_K`` (short slices are all
+    prologue and epilogue) nor :data:`MAX_SPLITS`."""
     tile = CANDIDATES[-1]
     tiles = math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch
-    if tiles >= target.cores:
-        return 1
-    s = min(math.ceil(target.cores / tiles), k // MIN_SLICE_K, MAX_SPLITS)
+    s = min(target.cores // tiles, k // MIN_SLICE_K, MAX_SPLITS)
     return s if s >= 2 else 1
 
 
@@ -96,7 +96,7 @@ def split_k(graph: Graph, target: TargetDesc) -> tuple[Graph, list[str]]:
             total = gb.add(total, gb.reshape(gb.slice(partial, r, i, 1), mm.shape))
         where = f" at {mm.loc}" if mm.loc else ""
         tiles = math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * math.prod(batch)
-        notes.append(f"split-K: matmul{where} ({'x'.join(map(str, batch)) + ' x ' if batch else ''}"
+        notes.append(f"split-K: matmul{where} ({'[' + 'x'.join(map(str, batch)) + '] ' if batch else ''}"
                      f"{m}x{k} . {k}x{n}: {tiles} tile(s) for {target.cores} SMs) runs as {s} slices of "
                      f"K={depth}{f' (K padded by {s * depth - k})' if s * depth > k else ''}, "
                      f"f32 partials summed by the epilogue's kernel")

@@ -2,10 +2,11 @@
 
 Cases: GPT-2 (transformers' default ``GPT2Config()``: 12 layers, 768 wide, 50257 tokens) at
 batch 8 × sequence 512 in fp32 and fp16, a 4096³ matrix product in fp32, fp16 and bf16 (the
-half ones on tensor cores), causal fp16 attention with GPT-2-small's heads (batch 8, 12 × 64)
-at sequence 512 and 2048 against torch's SDPA, and a softmax over 8192×8192 in fp32 and fp16. Times are medians of
-CUDA-event-timed calls after warm-up; the error is the largest absolute difference between
-sextant's output and eager's (same dtype).
+half ones on tensor cores), a decode-shaped fp16 product 16×4096·4096×4096 (split-K), causal
+fp16 attention with GPT-2-small's heads (batch 8, 12 × 64) at sequence 512 and 2048 against
+torch's SDPA, and a softmax over 8192×8192 in fp32 and fp16. Times are medians of CUDA-event-timed
+calls after warm-up; the error is the largest absolute difference between sextant's output and
+eager's (same dtype).
 
 The whole run must fit in ``--budget-s`` (scripts/gpu-check gives it what the tests leave of 8
 minutes): sextant and eager run for every case first, then ``torch.compile`` for the cases whose
@@ -100,6 +101,11 @@ def _cases() -> list[Case]:
             out.append(Case("matmul-4096-bf16", torch.bfloat16,
                             lambda tiny: (MatMul(), (torch.randn(64 if tiny else 4096, 64 if tiny else 4096),
                                                      torch.randn(64 if tiny else 4096, 64 if tiny else 4096))), 15.0))
+        if dt == torch.float16:  # a decode step: 16 rows are 64 tiles of 64x64 for 132 SMs -> split-K
+            out.append(Case("matmul-decode-16x4096x4096-fp16", dt,
+                            lambda tiny: (MatMul(), (torch.randn(16, 2048 if tiny else 4096),
+                                                     torch.randn(2048 if tiny else 4096, 256 if tiny else 4096))),
+                            15.0))
         if dt == torch.float16:  # flash attention on tensor cores against torch's SDPA (FlashAttention-2)
             for seq, cost in ((512, 10.0), (2048, 15.0)):
                 out.append(Case(f"attention-b8-h12-s{seq}-causal-fp16", dt,
@@ -186,6 +192,9 @@ def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, tor
                 if used:
                     row.notes.append(f"MMA kernels: ≤{max(r.registers for r in used)} registers, "
                                      f"{sum(r.spill_stores + r.spill_loads for r in used)} B spills")
+        splits = [r.split(" runs as ")[1].split(",")[0] for r in program.rewrites if r.startswith("split-K")]
+        if splits:
+            row.notes.append("split-K: " + "; ".join(splits))
         got = compiled(*args)
         row.max_err = _max_err(got, expected)
         del got

@@ -1,0 +1,202 @@
+"""Split-K (``schedule/split_k.py``): the cost model, the rewrite's graph (f32 partials, padding),
+skinny half-precision products through cuda-sim against eager (race-checked, ragged K, fused
+epilogues, tf32), the kernels' counters and ptxas figures, and the mixed-precision ``matmul``
+(``out_dtype=f32``) the rewrite relies on, on every target."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import sextant
+from sextant.codegen.counters import count_program
+from sextant.codegen.llvm_cpu import compile_kernels
+from sextant.codegen.ptxas import assemble
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Graph
+from sextant.graph.ops import IRTypeError
+from sextant.graph.parser import parse_graph
+from sextant.graph.passes import run_pipeline
+from sextant.graph.reference import run_graph
+from sextant.runtime.program_runner import ProgramRunner
+from sextant.schedule.program import schedule
+from sextant.schedule.split_k import MAX_SPLITS, slice_depth, split_factor, split_k
+from sextant.schedule.target import cpu_target, gpu_target
+
+TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+H100 = gpu_target("sm_90")
+
+
+class Decoder(nn.Module):
+    """A decode step's MLP: 16 tokens through d -> h -> d with GELU, bias and the residual."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x))) + x
+
+
+def _eager_f32(model: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).float()(*(a.float() for a in args))
+
+
+def _split_matmuls(graph: Graph) -> list:
+    return [n for n in graph.nodes if n.op == "matmul" and n.dtype != n.inputs[0].dtype]
+
+
+def test_split_factor_fills_the_sms_within_its_bounds() -> None:
+    assert split_factor(4096, 4096, 4096, 1, H100) == 1  # 4096 tiles: the GPU is full
+    assert split_factor(16, 768, 3072, 1, H100) == 11  # 12 tiles -> 11 slices of ~280 cover 132 SMs
+    assert split_factor(16, 768, 768, 1, H100) == 3  # slices stay >= 256 deep
+    assert split_factor(16, 768, 200, 1, H100) == 1  # too shallow to split at all
+    assert split_factor(1, 64, 1 << 16, 1, H100) == MAX_SPLITS
+    assert split_factor(16, 768, 3072, 12, H100) == 1  # the batch fills the GPU already
+    assert split_factor(16 * 48, 768, 3072, 1, H100) == 1  # 144 tiles: more than a wave already
+    assert split_factor(16, 3072, 768, 1, H100) == 2  # 48 tiles: 2 slices stay in one wave (3 would not)
+    assert split_factor(16, 768, 3072, 1, gpu_target("sm_80")) == math.ceil(108 / 12)  # A100: 108 SMs
+
+
+def test_slice_depth_prefers_whole_tiles_then_pads() -> None:
+    assert slice_depth(3072, 11) == (8, 384)  # 8 slices divide 3072 into whole 32-deep tiles
+    assert slice_depth(1024, 4) == (4, 256)
+    assert slice_depth(1000, 3) == (3, 352)  # no divisor: K padded to 1056
+
+
+def _decoder_graph(d: int, h: int, dtype: torch.dtype) -> tuple[Decoder, torch.Tensor, Graph]:
+    torch.manual_seed(0)
+    model, x = Decoder(d, h).to(dtype), torch.randn(1, 16, d).to(dtype)
+    return model, x, run_pipeline(sextant.capture(model, (x,)))
+
+
+def test_rewrite_keeps_partials_in_f32_and_computes_the_same_function() -> None:
+    _, x, graph = _decoder_graph(200, 1000, torch.float16)
+    rewritten, notes = split_k(graph, H100)
+    (partial,) = _split_matmuls(rewritten)  # the up projection (K=200) is too shallow to split
+    assert partial.dtype == DType.f32 and partial.shape == (3, 16, 200)
+    assert any(n.op == "pad" for n in rewritten.nodes)  # K=1000 padded to 3 slices of 352
+    assert len(notes) == 1 and "3 slices of K=352 (K padded by 56)" in notes[0]
+    fresh = torch.randn_like(x)
+    want, got = run_graph(graph, [fresh])[0], run_graph(rewritten, [fresh])[0]
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+    assert split_k(graph, cpu_target()) == (graph, [])  # the CPU's GEMM needs no split
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d,h", [(256, 1024), (200, 1000)], ids=["whole-slices", "padded-K"])
+def test_skinny_products_split_and_match_eager_race_checked(dtype: torch.dtype, d: int, h: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEXTANT_CHECK_RACES", "1")
+    model, x, _ = _decoder_graph(d, h, dtype)
+    cm = sextant.compile(model, (x,), target="cuda-sim", cache=False)
+    program = cm.stages["program"]
+    assert len(program.rewrites) == 1 and program.rewrites[0].startswith("split-K: matmul at ")
+    assert "split-K" in program.describe()
+    mappings = {program.kernels[la.kernel].meta["mapping"] for la in program.launches
+                if program.groups[la.group].kind == "matmul"}
+    assert mappings == {"tensor-core"}
+    assert len(program.launches) == 3  # up (+GELU), the sliced down product, the sum (+bias, residual)
+    for args in ((x,), (torch.randn_like(x),)):
+        got = cm(*args)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), _eager_f32(model, *args), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_batched_tf32_product_splits() -> None:
+    class BMM(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.relu(a @ b)
+
+    torch.manual_seed(2)
+    a, b = torch.randn(2, 20, 1536), torch.randn(2, 1536, 40)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        cm = sextant.compile(BMM(), (a, b), target="cuda-sim", cache=False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    program = cm.stages["program"]
+    assert program.rewrites and "([2] 20x1536 . 1536x40: 2 tile(s) for 132 SMs)" in program.rewrites[0]
+    assert {program.kernels[la.kernel].meta["mapping"] for la in program.launches
+            if program.groups[la.group].kind == "matmul"} == {"tensor-core-tf32"}
+    torch.testing.assert_close(cm(a, b), torch.relu(a @ b), rtol=1e-2, atol=5e-2)
+
+
+def test_split_kernels_are_conflict_free_coalesced_and_count_every_mma() -> None:
+    model, x, _ = _decoder_graph(256, 1024, torch.float16)
+    cm = sextant.compile(model, (x,), target="cuda-sim", cache=False)
+    program = cm.stages["program"]
+    counters = count_program(program, (x,))
+    split = next(la for la in program.launches if program.kernels[la.kernel].grid[2] > 1)
+    kernel, got = program.kernels[split.kernel], counters[split.kernel]
+    assert got.bank_conflicts == 0 and got.load_efficiency == 1.0  # A's slices: a strided view, cp.async
+    bm, bn, bk = kernel.meta["tile"]
+    wm, wn = kernel.meta["warps"]
+    s, m, n, depth = 4, 16, 256, 256
+    per_warp = (depth // bk) * (bk // 16) * (bm // wm // 16) * (bn // wn // 8)
+    assert got.mma_instructions == s * math.ceil(m / bm) * math.ceil(n / bn) * wm * wn * per_warp
+    total = next(la for la in program.launches if program.groups[la.group].kind == "elementwise")
+    assert counters[total.kernel].load_efficiency == 1.0  # one thread per column: the partials are coalesced
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_split_kernels_assemble_without_spills(arch: str) -> None:
+    model, x, _ = _decoder_graph(256, 1024, torch.float16)
+    cm = sextant.compile(model, (x,), target="cuda-sim", arch=arch, cache=False)
+    assert cm.stages["program"].rewrites
+    for name, r in assemble(cm.stages["ptx"].ptx, arch).kernels.items():
+        assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (name, r)
+
+
+def test_attention_products_and_full_gemms_are_not_split() -> None:
+    class Attn(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q = torch.randn(1, 1, 16, 1024).half()  # one head of width 1024: deep, skinny Q·Kᵀ
+    graph = run_pipeline(sextant.capture(Attn(), (q, q, q)))
+    assert split_k(graph, H100)[1] == []  # fused attention owns its products
+    big = run_pipeline(sextant.capture(Decoder(512, 2048).half(), (torch.randn(8, 128, 512).half(),)))
+    assert split_k(big, H100)[1] == []  # 128 tiles of 64 x 64 already occupy 128 of 132 SMs
+    assert split_k(big, gpu_target("sm_75"))[1] == []  # no tensor cores: nothing to split
+
+
+# -- the mixed-precision matmul the rewrite emits ---------------------------------------------
+def _mixed_graph() -> Graph:
+    gb = GraphBuilder("mixed")
+    a, b = gb.input("a", (3, 40, 72), DType.f16), gb.input("b", (3, 72, 24), DType.f16)
+    return gb.build([gb.add(gb.emit("matmul", [a, b], out_dtype=DType.f32), 1.0)])
+
+
+def test_mixed_precision_matmul_type_text_and_reference() -> None:
+    graph = _mixed_graph()
+    text = str(graph)
+    assert "matmul(%a, %b) {out_dtype=f32} : f32[3,40,24]" in text
+    assert str(parse_graph(text)) == text
+    a, b = torch.randn(3, 40, 72).half(), torch.randn(3, 72, 24).half()
+    got = run_graph(graph, [a, b])[0]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, a.float() @ b.float() + 1)
+    gb = GraphBuilder()
+    x = gb.input("x", (4, 4), DType.f32)
+    with pytest.raises(IRTypeError, match="out_dtype f16 must be f32 or the operands' f32"):
+        gb.emit("matmul", [x, x], out_dtype=DType.f16)
+
+
+@pytest.mark.parametrize("target", [cpu_target(), gpu_target("sm_75"), gpu_target("sm_90")],
+                         ids=["cpu", "sm_75-cuda-cores", "sm_90-tensor-cores"])
+def test_mixed_precision_matmul_runs_on_every_mapping(target: object) -> None:
+    graph = _mixed_graph()
+    program = schedule(graph, target)  # type: ignore[arg-type]
+    runner = ProgramRunner(program, compile_kernels(list(program.kernels.values())).launch)
+    a, b = torch.randn(3, 40, 72).half(), torch.randn(3, 72, 24).half()
+    (got,) = runner([a, b])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, a.float() @ b.float() + 1, rtol=1e-4, atol=1e-4)
