@@ -349,6 +349,20 @@ def snippet_tc_counters() -> str:
     return "\n".join(f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
 
 
+def snippet_splitk_schedule() -> str:
+    """A decode step's f16 MLP (16 tokens, 256 → 1024 → 256) for sm_90: the down projection's 4
+    tiles split K; the schedule dump with ptxas's figures, then cuda-sim's counters."""
+    from sextant.codegen.counters import count_program
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).half()
+    x = torch.randn(16, 256).half()
+    program = sextant.compile(model, (x,), target="cuda-sim", arch="sm_90", cache=False).stages["program"]
+    counted = count_program(program, [x])
+    return program.describe() + "\n\n" + "\n".join(
+        f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
+
+
 class _CausalAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -439,6 +453,7 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "fa-counters": snippet_fa_counters,
     "fa-schedule": snippet_fa_schedule,
     "tc-counters": snippet_tc_counters,
+    "splitk-schedule": snippet_splitk_schedule,
     "tc-kernel-excerpt": snippet_tc_kernel_excerpt,
     "tc-ptx-excerpt": snippet_tc_ptx_excerpt,
     "tc-sass-excerpt": snippet_tc_sass_excerpt,
