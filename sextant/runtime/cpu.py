@@ -47,6 +47,16 @@ def _thread_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_in_child() -> None:
+    """A forked child inherits the pool object but none of its threads (and maybe a held lock): work
+    submitted to it would wait forever. The child builds its own pool on first use."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def estimate_work(kernel: Kernel) -> int:
     """Rough statement executions per launch (constant loop trip counts, 16 for the others):
     only used to decide whether a launch is worth spreading over threads."""

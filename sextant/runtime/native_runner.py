@@ -11,6 +11,7 @@ split). Buffer checks happen once, when the slots are built, not per launch.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -37,6 +38,16 @@ def _pool(helpers: int) -> ThreadPoolExecutor:
         if helpers not in _pools:
             _pools[helpers] = ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="sextant-native")
         return _pools[helpers]
+
+
+def _forget_pools_in_child() -> None:
+    """A forked child inherits the pools but none of their threads: a plan's workers would never start
+    (see ``runtime.cpu``). The child builds its own on first use."""
+    global _pools, _pools_lock
+    _pools, _pools_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
 class NativeRunner:
