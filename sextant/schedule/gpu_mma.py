@@ -54,6 +54,7 @@ from sextant.kernel.ir import (
     Store,
     Var,
 )
+from sextant.schedule.gemm_cost import TileEstimate, estimate
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, iadd, idiv, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
@@ -69,13 +70,16 @@ TC_DTYPES = (DType.f16, DType.bf16)
 
 @dataclass(frozen=True)
 class TcTile:
-    """A block tile ``bm × bn × bk`` computed by ``wm × wn`` warps."""
+    """A block tile ``bm × bn × bk`` computed by ``wm × wn`` warps; ``registers``: what ptxas
+    gives its kernel per thread (sm_80/sm_90, with an epilogue; a test keeps the figure honest),
+    for the occupancy in the tile choice's cost model (``schedule/gemm_cost.py``)."""
 
     bm: int
     bn: int
     bk: int
     wm: int
     wn: int
+    registers: int = 128
 
     @property
     def threads(self) -> int:
@@ -93,9 +97,10 @@ class TcTile:
         return self.bm * (self.bk + PAD), self.bk * (self.bn + PAD)
 
 
-# Largest first: 128×128 gives each warp a 64×32 tile (16 MMAs per 6 ldmatrix a k-step); 64×64 for
-# problems with too few 128×128 tiles to fill the GPU's SMs.
-CANDIDATES = (TcTile(128, 128, 32, 2, 4), TcTile(64, 64, 32, 2, 2))
+# 128×128 (8 warps) and 128×64 (4 warps) give each warp a 64×32 tile (16 MMAs per 6 ldmatrix a
+# k-step); 64×64 for problems with too few larger tiles to occupy the GPU's SMs.
+CANDIDATES = (TcTile(128, 128, 32, 2, 4, registers=128), TcTile(128, 64, 32, 2, 2, registers=128),
+              TcTile(64, 64, 32, 2, 2, registers=96))
 
 
 def gemm_operands(e: ValueEmitter, a: Node, b: Node, bidx: tuple[Expr, ...],
@@ -159,14 +164,22 @@ def uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
     return half_product(group.anchor, target)
 
 
-def choose_tile(m: int, n: int, batch: int, target: TargetDesc,
-                candidates: tuple[TcTile, ...] = CANDIDATES) -> TcTile:
-    """The largest of ``candidates`` that still gives at least one block per SM, else the smallest
-    (a small problem cannot fill the GPU either way; smaller tiles waste less work on the edges)."""
+def rank_tiles(m: int, n: int, batch: int, target: TargetDesc, candidates: tuple[TcTile, ...] = CANDIDATES,
+               itemsize: int = 2) -> list[tuple[TileEstimate, TcTile]]:
+    """Every candidate with the cost model's estimate for this problem, best first (ties: the
+    order of ``candidates``) — what an autotuner would time on a real GPU."""
+    ranked = []
     for tile in candidates:
-        if math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch >= target.cores:
-            return tile
-    return candidates[-1]
+        shared = STAGES * sum(tile.shared_elems()) * itemsize
+        ranked.append((estimate(tile.bm, tile.bn, tile.threads, tile.registers, shared, m, n, batch, target,
+                                itemsize), tile))
+    return sorted(ranked, key=lambda et: et[0].seconds)
+
+
+def choose_tile(m: int, n: int, batch: int, target: TargetDesc,
+                candidates: tuple[TcTile, ...] = CANDIDATES, itemsize: int = 2) -> TcTile:
+    """The candidate the cost model ranks first (``schedule/gemm_cost.py``)."""
+    return rank_tiles(m, n, batch, target, candidates, itemsize)[0][1]
 
 
 @dataclass(frozen=True)

@@ -77,18 +77,21 @@ def test_linear_layers_stage_the_weight_as_nxk(tf32_allowed: None) -> None:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_tf32_kernels_assemble_without_spills(arch: str, tf32_allowed: None) -> None:
+def test_tf32_kernels_assemble_without_spills(arch: str, tf32_allowed: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from sextant.codegen.ptxas import assemble
     from sextant.codegen.sass import disassemble, find_disassembler
+    from sextant.schedule import gpu_tf32
 
-    a, b = torch.randn(4096, 256), torch.randn(256, 512)  # both tile candidates: 128x128 and 64x64
-    for shape in ((a, b), (a[:512], b)):
-        cm = sextant.compile(Epilogue(), shape, target="cuda-sim", arch=arch, cache=False)
+    a, b = torch.randn(1024, 256), torch.randn(256, 512)
+    for tile in gpu_tf32.CANDIDATES:
+        monkeypatch.setattr(gpu_tf32, "choose_tile", lambda *args, tile=tile, **kw: tile)
+        cm = sextant.compile(Epilogue(), (a, b), target="cuda-sim", arch=arch, cache=False)
         ptx = cm.stages["ptx"].ptx
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
         res = assemble(ptx, arch)
         for name, r in res.kernels.items():
             assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (name, r)
+            assert r.registers <= tile.registers, (tile, name, r.registers)  # the cost model's figure
         tool = find_disassembler()
         if tool is not None:
             assert "HMMA.1688.F32.TF32" in disassemble(res.cubin, tool)
