@@ -349,6 +349,21 @@ def snippet_tc_counters() -> str:
     return "\n".join(f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
 
 
+def snippet_tile_ranking() -> str:
+    """The tensor-core tile choice's estimates for a few familiar f16 problem shapes on sm_90."""
+    from sextant.schedule.gpu_mma import rank_tiles
+    from sextant.schedule.target import gpu_target
+
+    lines = []
+    for m, n, what in ((4096, 4096, "4096² product"), (4096, 2304, "GPT-2 QKV, batch 8 × 512"),
+                       (1024, 1024, "1024² product"), (512, 768, "GPT-2 projection, batch 1 × 512")):
+        ranked = rank_tiles(m, n, 1, gpu_target("sm_90"))
+        cells = [f"{t.bm}x{t.bn}: {e.blocks} blocks, {e.occupancy}/SM, {e.waves} wave(s), "
+                 f"{e.seconds * 1024 * 1e6:.1f} us" for e, t in ranked]
+        lines.append(f"{m}x{n} ({what}) -> {ranked[0][1].bm}x{ranked[0][1].bn}\n    " + "\n    ".join(cells))
+    return "\n".join(lines)
+
+
 def snippet_splitk_schedule() -> str:
     """A decode step's f16 MLP (16 tokens, 256 → 1024 → 256) for sm_90: the down projection's 4
     tiles split K; the schedule dump with ptxas's figures, then cuda-sim's counters."""
@@ -454,6 +469,7 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "fa-schedule": snippet_fa_schedule,
     "tc-counters": snippet_tc_counters,
     "splitk-schedule": snippet_splitk_schedule,
+    "tile-ranking": snippet_tile_ranking,
     "tc-kernel-excerpt": snippet_tc_kernel_excerpt,
     "tc-ptx-excerpt": snippet_tc_ptx_excerpt,
     "tc-sass-excerpt": snippet_tc_sass_excerpt,
