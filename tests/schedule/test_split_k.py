@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,12 @@ def test_mixed_precision_matmul_runs_on_every_mapping(target: object) -> None:
     (got,) = runner([a, b])
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, a.float() @ b.float() + 1, rtol=1e-4, atol=1e-4)
+
+
+def test_split_program_survives_the_artifact_round_trip(tmp_path: Path) -> None:
+    model, x, _ = _decoder_graph(256, 1024, torch.float16)
+    cm = sextant.compile(model, (x,), target="cuda-sim", cache=False)
+    loaded = sextant.load(cm.save(tmp_path / "decoder"))
+    assert loaded.stages["program"].rewrites == cm.stages["program"].rewrites
+    fresh = torch.randn_like(x)
+    assert torch.equal(loaded(fresh), cm(fresh))
