@@ -17,7 +17,9 @@ def test_dry_run_writes_a_row_per_case(tmp_path: Path) -> None:
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = {r[0]: dict(zip(head, r)) for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
     assert set(rows) == {"softmax-8192-fp32", "softmax-8192-fp16", "matmul-4096-fp32", "matmul-4096-fp16",
-                         "matmul-4096-bf16"}
+                         "matmul-4096-bf16", "matmul-decode-16x4096x4096-fp16"}
+    decode = rows["matmul-decode-16x4096x4096-fp16"]  # the sliced product on tensor cores + the sum
+    assert decode["kernels (unique)"].startswith("2 (2), 1 tensor-core") and "split-K: 8 slices" in decode["notes"]
     for name, row in rows.items():  # every case ran and was checked against eager
         assert float(row["max abs err"]) < (5e-2 if "bf16" in name else 1e-2)
         assert float(row["sextant cuda ms"]) > 0
