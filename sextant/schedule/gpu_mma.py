@@ -64,7 +64,7 @@ from sextant.schedule.views import chunked
 
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
 PAD = 8  # elements added to each shared row (16 bytes): conflict-free, aligned ldmatrix rows
-STAGES = 2  # shared-memory stages: tile kt+1 is copied (cp.async) while tile kt is multiplied
+STAGES = 2  # shared-memory stages by default: tile kt+1 is copied (cp.async) while tile kt is multiplied
 TC_DTYPES = (DType.f16, DType.bf16)
 
 
@@ -80,6 +80,7 @@ class TcTile:
     wm: int
     wn: int
     registers: int = 128
+    stages: int = STAGES  # shared-memory stages of the K pipeline: tiles kt+1 .. kt+stages-1 in flight
 
     @property
     def threads(self) -> int:
@@ -98,9 +99,13 @@ class TcTile:
 
 
 # 128×128 (8 warps) and 128×64 (4 warps) give each warp a 64×32 tile (16 MMAs per 6 ldmatrix a
-# k-step); 64×64 for problems with too few larger tiles to occupy the GPU's SMs.
-CANDIDATES = (TcTile(128, 128, 32, 2, 4, registers=128), TcTile(128, 64, 32, 2, 2, registers=128),
-              TcTile(64, 64, 32, 2, 2, registers=96))
+# k-step); 64×64 for problems with too few larger tiles to occupy the GPU's SMs. Stages: 128×128
+# fills 48 KiB of static shared memory with 2 × 19 KiB; the 4-warp tiles (fewer warps to switch
+# between) keep a third tile in flight (3 × 15 KiB, 3 × 10 KiB) — a fourth for 64×64 would fit too,
+# but ptxas then gave it 147 registers instead of ≤ 112 (fewer resident blocks; measured sm_80/90).
+CANDIDATES = (TcTile(128, 128, 32, 2, 4, registers=128, stages=2),
+              TcTile(128, 64, 32, 2, 2, registers=144, stages=3),
+              TcTile(64, 64, 32, 2, 2, registers=112, stages=3))
 
 
 def gemm_operands(e: ValueEmitter, a: Node, b: Node, bidx: tuple[Expr, ...],
@@ -170,7 +175,7 @@ def rank_tiles(m: int, n: int, batch: int, target: TargetDesc, candidates: tuple
     order of ``candidates``) — what an autotuner would time on a real GPU."""
     ranked = []
     for tile in candidates:
-        shared = STAGES * sum(tile.shared_elems()) * itemsize
+        shared = tile.stages * sum(tile.shared_elems()) * itemsize
         ranked.append((estimate(tile.bm, tile.bn, tile.threads, tile.registers, shared, m, n, batch, target,
                                 itemsize), tile))
     return sorted(ranked, key=lambda et: et[0].seconds)
@@ -242,7 +247,7 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
     if b.nk:
         sb = tile.bn * b_stride
     mi, ni = tile.mi, tile.ni
-    shared = [Buffer("As", dt, STAGES * sa, "shared"), Buffer("Bs", dt, STAGES * sb, "shared")]
+    shared = [Buffer("As", dt, tile.stages * sa, "shared"), Buffer("Bs", dt, tile.stages * sb, "shared")]
     local = (Buffer("fa", dt, mi * MMA.a_elems, "local"), Buffer("fb", dt, ni * MMA.b_elems, "local"),
              Buffer("acc", acc_t, mi * ni * MMA.c_elems, "local"))
     t = TID_X
@@ -294,16 +299,20 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
 def pipelined_k_loop(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: int, i0: Expr, j0: Expr,
                      a: Operand, b: Operand, strides: tuple[int, int], stage_elems: tuple[int, int],
                      step: Callable[[Expr, Expr], None]) -> None:
-    """The K loop of the tensor-core GEMMs, ``STAGES`` shared-memory stages deep: tile 0 is staged
-    before the loop; each iteration issues tile ``kt + 1`` into the other stage (one ``cp.async``
-    group), waits for tile ``kt`` and a barrier, runs ``step(a_base, b_base)`` on its stage (the
-    offsets of A's and B's tile in ``As``/``Bs``), and ends on a barrier before the stage is reused."""
+    """The K loop of the tensor-core GEMMs, ``S = tile.stages`` shared-memory stages deep: tiles
+    ``0 .. S-2`` are staged before the loop (one ``cp.async`` group each); each iteration issues
+    tile ``kt + S - 1`` into the stage iteration ``kt - 1`` used, waits until at most ``S - 1``
+    groups are in flight (so tile ``kt``'s has landed) and a barrier, runs ``step(a_base,
+    b_base)`` on stage ``kt % S`` (the offsets of A's and B's tile in ``As``/``Bs``), and ends on a
+    barrier before that stage is refilled. Every iteration commits a group, empty past the last
+    tile, so the count of groups in flight stays exact."""
     (a_stride, b_stride), (sa, sb) = strides, stage_elems
     k_tiles = -(-k // tile.bk)
+    stages = tile.stages
 
     def load_stage(kt: Expr) -> None:
-        """Tile ``kt`` of A and B into stage ``kt % STAGES``, as one cp.async group."""
-        st = imod(kt, STAGES)
+        """Tile ``kt`` of A and B into stage ``kt % stages``, as one cp.async group."""
+        st = imod(kt, stages)
         k0 = e.bind(imul(kt, tile.bk), "k0")
         stage_tile(e, tile.threads, dt, "As", a, tile.bm, tile.bk, a_stride, i0, k0, m, k, imul(st, sa))
         if not b.nk:
@@ -311,18 +320,20 @@ def pipelined_k_loop(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k
         else:
             stage_tile(e, tile.threads, dt, "Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
 
-    load_stage(c(0))  # the prologue: the first tile is in flight before the loop starts
-    e.emit(CpAsyncCommit())
+    for p in range(stages - 1):  # the prologue: the first tiles are in flight before the loop starts
+        if p < k_tiles:
+            load_stage(c(p))
+        e.emit(CpAsyncCommit())
 
     def k_tile(kt: Var) -> None:
-        nxt = iadd(kt, c(1))  # issue the next tile into the other stage, then wait for this one
+        nxt = iadd(kt, c(stages - 1))  # issue a later tile into the freed stage, then wait for this one
         with e.scope() as prefetch:
             load_stage(nxt)
         e.emit(If(_bool("lt", nxt, c(k_tiles)), tuple(prefetch)))
         e.emit(CpAsyncCommit())
-        e.emit(CpAsyncWait(STAGES - 1))
+        e.emit(CpAsyncWait(stages - 1))
         e.emit(Barrier())
-        step(e.bind(imul(imod(kt, STAGES), sa), "sa"), e.bind(imul(imod(kt, STAGES), sb), "sb"))
+        step(e.bind(imul(imod(kt, stages), sa), "sa"), e.bind(imul(imod(kt, stages), sb), "sb"))
         e.emit(Barrier())
 
     _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")

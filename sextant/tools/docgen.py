@@ -282,10 +282,11 @@ def snippet_tiny_launch_plan() -> str:
 
 @functools.cache
 def _tc_gpu() -> sextant.CompiledModule:
-    """An f16 MLP block (256 tokens, 64 → 256 → 64) for sm_90: its two matmuls run on tensor cores."""
+    """An f16 MLP block (256 tokens, 256 → 128 → 256) for sm_90: its two matmuls run on tensor cores,
+    the first with a K loop of 8 tiles (deep enough to show the pipeline)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).half()
-    return sextant.compile(model, (torch.randn(256, 64).half(),), target="cuda-sim", arch="sm_90", cache=False)
+    model = nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 256)).half()
+    return sextant.compile(model, (torch.randn(256, 256).half(),), target="cuda-sim", arch="sm_90", cache=False)
 
 
 def _tc_kernel() -> tuple[str, object]:
@@ -345,7 +346,7 @@ def snippet_tc_counters() -> str:
     cm = _tc_gpu()
     program = cm.stages["program"]
     torch.manual_seed(0)
-    counted = count_program(program, [torch.randn(256, 64).half()])
+    counted = count_program(program, [torch.randn(256, 256).half()])
     return "\n".join(f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
 
 
