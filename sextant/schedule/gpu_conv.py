@@ -149,13 +149,13 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
             chunk = lambda row, col: (e.buffers[id(w)], iadd(imul(iadd(channel0, row), k), col))
 
         def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
-            e.regs[id(cv)] = e.bind(Cast(acc, cv.dtype), "c")
+            e.regs[id(cv)] = e.bind(acc if acc.dtype == cv.dtype else Cast(acc, cv.dtype), "c")
             n, o = position(col)
             store_epilogue(e, group, (n, iadd(channel0, row), *o))
             e.regs.pop(id(cv))
 
         shared, local = emit_mma_gemm(e, tc_tile, w.dtype, cout_g, positions, k, bm, bn, Operand(w_tile, chunk),
-                                      Operand(x_tile), epilogue)
+                                      Operand(x_tile), epilogue, out_dtype=cv.dtype)
         _check_shared(name, shared, target)
         return Kernel(name, tuple(params), grid, (tc_tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
                       local=local, meta=meta)

@@ -235,11 +235,13 @@ def stage_tile(e: ValueEmitter, threads: int, dt: DType, buf: str, x: Operand, r
 
 
 def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: int, bm: Expr, bn: Expr,
-                  a: Operand, b: Operand, epilogue: Callable[[Expr, Expr, Expr], None]) -> tuple[list[Buffer],
-                                                                                             tuple[Buffer, ...]]:
+                  a: Operand, b: Operand, epilogue: Callable[[Expr, Expr, Expr], None],
+                  out_dtype: DType | None = None) -> tuple[list[Buffer], tuple[Buffer, ...]]:
     """The block's ``tile`` of ``C = A·B`` (``m × n``, depth ``k``; block coordinates ``bm``,
-    ``bn``) on tensor cores, then ``epilogue(row, col, accumulator)`` per element of C the block
-    owns (under its edge guard). Returns the shared and local buffers the statements use.
+    ``bn``) on tensor cores, then ``epilogue(row, col, value)`` per element of C the block owns
+    (under its edge guard). When C's dtype ``out_dtype`` is the operands' (f16/bf16), the tile is
+    staged through ``As`` for coalesced stores and ``value`` is already rounded to it; otherwise
+    ``value`` is the f32 accumulator. Returns the shared and local buffers the statements use.
     Shared by the matmul and the implicit-GEMM convolution."""
     acc_t = DType.f32
     a_stride, b_stride = tile.bk + PAD, (tile.bk if b.nk else tile.bn) + PAD
@@ -292,7 +294,8 @@ def emit_mma_gemm(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k: i
             _strided_loop(e, c(0), mi, 1, mma_row, "mi", unroll=True)
 
     pipelined_k_loop(e, tile, dt, m, n, k, i0, j0, a, b, (a_stride, b_stride), (sa, sb), k_step)
-    store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue)
+    stage = ("As", dt, tile.stages * sa) if out_dtype == dt else None
+    store_accumulators(e, tile, m, n, i0, j0, wrow, wcol, lane, epilogue, stage)
     return shared, local
 
 
@@ -340,12 +343,22 @@ def pipelined_k_loop(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k
 
 
 def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0: Expr, wrow: Expr, wcol: Expr,
-                       lane: Expr, epilogue: Callable[[Expr, Expr, Expr], None]) -> None:
-    """``epilogue(row, col, acc)`` for every f32 accumulator of the warp's ``MI × NI`` tiles in the
-    local ``acc``, at the row and column of the C layout (the same for every mma shape), guarded
-    at the matrix edges."""
+                       lane: Expr, epilogue: Callable[[Expr, Expr, Expr], None],
+                       stage: tuple[str, DType, int] | None = None) -> None:
+    """``epilogue(row, col, value)`` for every element of the block's tile of C, guarded at the
+    matrix edges.
+
+    With ``stage`` — a shared buffer of the output's 16-bit dtype that the K loop is done with, and
+    its size — the tile goes through shared memory (:func:`staged_epilogue`): the epilogue then
+    runs with consecutive threads on consecutive columns, so its stores (and the residuals it
+    reads) are coalesced; ``value`` is the accumulator already rounded to that dtype. Without, each
+    lane runs it on its own f32 accumulators where the C layout puts them (row ``lane/4`` (+8),
+    column ``2·(lane%4)`` (+1)): a warp's store then touches 8 rows × 16 bytes."""
     mi, ni = tile.mi, tile.ni
     g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")  # C layout: row g (+8), col 2t (+1)
+    if stage is not None:
+        staged_epilogue(e, tile, m, n, i0, j0, wrow, wcol, g, q, epilogue, stage)
+        return
 
     def out_tile(x: Var) -> None:
         def out_col(y: Var) -> None:
@@ -365,6 +378,57 @@ def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, 
     _strided_loop(e, c(0), mi, 1, out_tile, "mi", unroll=True)
 
 
+def staged_epilogue(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0: Expr, wrow: Expr, wcol: Expr,
+                    g: Expr, q: Expr, epilogue: Callable[[Expr, Expr, Expr], None],
+                    stage: tuple[str, DType, int]) -> None:
+    """The tile of C through shared memory, ``rows`` rows a pass (as many whole warp tiles of rows as
+    the buffer holds): the warps owning those rows write their accumulators, rounded to the
+    output's dtype, at a row stride of ``bn + 8`` elements (``≡ 4 words mod 32``: the 8 rows × 4
+    lanes of a store hit 32 different banks); a barrier; then the block's threads walk the rows in
+    order — thread ``t`` takes columns ``t, t + threads, ...`` — reading shared memory and running
+    the epilogue; a barrier before the next pass overwrites the buffer."""
+    buf, dt, capacity = stage
+    stride = tile.bn + PAD
+    warp_rows = tile.bm // tile.wm
+    rows = min(tile.bm, capacity // stride // warp_rows * warp_rows)
+    if rows == 0:
+        raise ValueError(f"a {tile.bm}x{tile.bn} tile's warp rows do not fit {capacity} elements of {buf}")
+    mi, ni, threads = tile.mi, tile.ni, tile.threads
+    for p in range(-(-tile.bm // rows)):
+        if p:
+            e.emit(Barrier())  # every thread has read the previous pass
+
+        def write(x: Var, p: int = p) -> None:
+            def write_col(y: Var) -> None:
+                def element(i: Var) -> None:
+                    half = Binary("shr", i, c(1), DType.i32)
+                    r = iadd(iadd(wrow, c(-p * rows)), iadd(iadd(imul(x, 16), g), imul(half, 8)))
+                    col = iadd(wcol, iadd(iadd(imul(y, 8), q), imod(i, 2)))
+                    slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
+                    e.emit(Store(buf, iadd(imul(r, stride), col), Cast(Load("acc", slot, DType.f32), dt)))
+
+                _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)
+
+            _strided_loop(e, c(0), ni, 1, write_col, "nj", unroll=True)
+
+        with e.scope() as mine:  # the warps whose rows this pass holds (a warp-uniform condition)
+            _strided_loop(e, c(0), mi, 1, write, "mi", unroll=True)
+        if rows == tile.bm:
+            e.stmts.extend(mine)
+        else:
+            e.emit(If(_bool("eq", idiv(wrow, rows), c(p)), tuple(mine)))
+        e.emit(Barrier())
+
+        def read(v: Var, p: int = p) -> None:
+            r, col = e.bind(idiv(v, tile.bn), "r"), e.bind(imod(v, tile.bn), "cc")
+            row, gcol = e.bind(iadd(i0, iadd(r, c(p * rows))), "row"), e.bind(iadd(j0, col), "col")
+            guard = _and([_bool("lt", v2, c(lim)) for v2, lim, size in ((row, m, tile.bm), (gcol, n, tile.bn))
+                          if lim % size])
+            _guarded(e, guard, lambda: epilogue(row, gcol, Load(buf, iadd(imul(r, stride), col), dt)))
+
+        _strided_loop(e, TID_X, rows * tile.bn, threads, read, "u")
+
+
 def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str, tile: TcTile,
                               emit: Callable[..., tuple[list[Buffer], tuple[Buffer, ...]]], mapping: str,
                               mma: str) -> Kernel:
@@ -382,11 +446,11 @@ def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc
     a_op, b_op = gemm_operands(e, a, b, bidx, batch)
 
     def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
-        e.regs[id(mm)] = e.bind(Cast(acc, mm.dtype) if mm.dtype != DType.f32 else acc, "c")
+        e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
         store_epilogue(e, group, (*bidx, row, col))
         e.regs.pop(id(mm))
 
-    shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue)
+    shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue, out_dtype=mm.dtype)
     _check_shared(name, shared, target)
     meta = {"mapping": mapping, "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
             "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": mma}
@@ -401,7 +465,7 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
         raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {accum_dtype(mm.dtype).value}")
     tile = choose_tile(m, n, math.prod(batch), target)
 
-    def emit(e: ValueEmitter, tile: TcTile, *rest: object) -> tuple[list[Buffer], tuple[Buffer, ...]]:
-        return emit_mma_gemm(e, tile, dt, *rest)  # type: ignore[arg-type]
+    def emit(e: ValueEmitter, tile: TcTile, *rest: object, **kw: object) -> tuple[list[Buffer], tuple[Buffer, ...]]:
+        return emit_mma_gemm(e, tile, dt, *rest, **kw)  # type: ignore[arg-type]
 
     return tensor_core_matmul_kernel(group, stored, target, name, tile, emit, "tensor-core", "m16n8k16." + dt.value)

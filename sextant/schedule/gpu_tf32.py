@@ -62,8 +62,11 @@ def uses_tf32(group: Group, target: TargetDesc) -> bool:
 
 
 def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Expr, bn: Expr, a: Operand,
-                   b: Operand, epilogue: Callable[[Expr, Expr, Expr], None]) -> tuple[list[Buffer], tuple[Buffer, ...]]:
-    """The block's ``tile`` of ``C = A·B`` on tf32 tensor cores, then ``epilogue(row, col, acc)``."""
+                   b: Operand, epilogue: Callable[[Expr, Expr, Expr], None],
+                   out_dtype: DType | None = None) -> tuple[list[Buffer], tuple[Buffer, ...]]:
+    """The block's ``tile`` of ``C = A·B`` on tf32 tensor cores, then ``epilogue(row, col, acc)`` on
+    the f32 accumulators where they are (an f32 tile staged through shared memory would write 2
+    lanes per bank; ``out_dtype`` is accepted for the common signature)."""
     f32 = DType.f32
     a_stride = tile.bk + PAD_ROWS_K
     b_stride = tile.bk + PAD_ROWS_K if b.nk else tile.bn + PAD_ROWS_N
