@@ -229,7 +229,7 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
         _check(a.rank >= 2 and a.rank == b.rank and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2],
                f"matmul shapes do not line up: {a} @ {b} (batch dims must be equal, inner dims must match)")
         out = attrs.get("out_dtype", a.dtype)  # f16/bf16 x f16/bf16 -> f32: a tensor core's own product
-        _check(out == a.dtype or (out == DType.f32 and a.dtype.is_float),
+        _check(out == a.dtype or (out == DType.f32 and a.dtype in (DType.f16, DType.bf16)),
                f"matmul out_dtype {getattr(out, 'value', out)} must be f32 or the operands' {a.dtype.value}")
         return TensorType(a.shape[:-1] + (b.shape[-1],), out)
 

@@ -149,7 +149,9 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
             continue
         bytes_read += _needed_elements(node, users) * node.dtype.itemsize
     bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(writes))
-    return LaunchCost(index, launch.kernel, group.kind, group.anchor.dtype, sum(by_op.values()), transcendentals,
+    # a contraction computes in its operands' type (split-K's partial product: f16 inputs, f32 out)
+    compute_dtype = group.anchor.inputs[0].dtype if group.kind in ("matmul", "conv") else group.anchor.dtype
+    return LaunchCost(index, launch.kernel, group.kind, compute_dtype, sum(by_op.values()), transcendentals,
                       bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
                       "tensor-core" in program.kernels[launch.kernel].meta.get("mapping", ""))
 

@@ -6,7 +6,7 @@ varies per problem is which one wastes least. The model estimates, for an ``m ×
 
 * **occupancy** — blocks resident per SM: the fewest that the registers (the candidate's ptxas
   figure, recorded in :class:`TcTile` and checked against ptxas by a test, times its threads, of
-  64 K per SM), its two shared-memory stages (of the SM's shared memory) and its threads (2048
+  64 K per SM), its shared-memory stages (of the SM's shared memory) and its threads (2048
   per SM) allow;
 * **waves** — ``⌈blocks / (SMs · occupancy)⌉``; in a wave an SM holds ``r = min(occupancy,
   ⌈blocks / SMs⌉)`` blocks;

@@ -342,6 +342,15 @@ def pipelined_k_loop(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k
     _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
 
 
+def c_fragment(x: Expr, y: Expr, i: Expr, g: Expr, q: Expr, ni: int) -> tuple[Expr, Expr, Expr]:
+    """Where accumulator ``i`` of MMA tile ``(x, y)`` of a lane's warp tile lies: its row and column in
+    the warp tile (the C layout: row ``g = lane/4`` (+8), column ``q = 2·(lane%4)`` (+1)) and its
+    slot in the local ``acc``."""
+    half = Binary("shr", i, c(1), DType.i32)
+    return (iadd(iadd(imul(x, 16), g), imul(half, 8)), iadd(iadd(imul(y, 8), q), imod(i, 2)),
+            iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i))
+
+
 def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0: Expr, wrow: Expr, wcol: Expr,
                        lane: Expr, epilogue: Callable[[Expr, Expr, Expr], None],
                        stage: tuple[str, DType, int] | None = None) -> None:
@@ -363,12 +372,11 @@ def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, 
     def out_tile(x: Var) -> None:
         def out_col(y: Var) -> None:
             def element(i: Var) -> None:
-                half = Binary("shr", i, c(1), DType.i32)
-                row = e.bind(iadd(iadd(i0, wrow), iadd(iadd(imul(x, 16), g), imul(half, 8))), "row")
-                col = e.bind(iadd(iadd(j0, wcol), iadd(iadd(imul(y, 8), q), imod(i, 2))), "col")
+                frow, fcol, slot = c_fragment(x, y, i, g, q, ni)
+                row = e.bind(iadd(iadd(i0, wrow), frow), "row")
+                col = e.bind(iadd(iadd(j0, wcol), fcol), "col")
                 guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((row, m, tile.bm), (col, n, tile.bn))
                               if lim % size])
-                slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
                 _guarded(e, guard, lambda: epilogue(row, col, Load("acc", slot, DType.f32)))
 
             _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)
@@ -390,9 +398,10 @@ def staged_epilogue(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0:
     buf, dt, capacity = stage
     stride = tile.bn + PAD
     warp_rows = tile.bm // tile.wm
-    rows = min(tile.bm, capacity // stride // warp_rows * warp_rows)
-    if rows == 0:
+    fits = [d * warp_rows for d in range(tile.wm, 0, -1) if tile.wm % d == 0 and d * warp_rows * stride <= capacity]
+    if not fits:
         raise ValueError(f"a {tile.bm}x{tile.bn} tile's warp rows do not fit {capacity} elements of {buf}")
+    rows = fits[0]  # whole warp tiles of rows, dividing the tile: every pass is full
     mi, ni, threads = tile.mi, tile.ni, tile.threads
     for p in range(-(-tile.bm // rows)):
         if p:
@@ -401,10 +410,8 @@ def staged_epilogue(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0:
         def write(x: Var, p: int = p) -> None:
             def write_col(y: Var) -> None:
                 def element(i: Var) -> None:
-                    half = Binary("shr", i, c(1), DType.i32)
-                    r = iadd(iadd(wrow, c(-p * rows)), iadd(iadd(imul(x, 16), g), imul(half, 8)))
-                    col = iadd(wcol, iadd(iadd(imul(y, 8), q), imod(i, 2)))
-                    slot = iadd(imul(iadd(imul(x, ni), y), MMA.c_elems), i)
+                    frow, fcol, slot = c_fragment(x, y, i, g, q, ni)
+                    r, col = iadd(iadd(wrow, c(-p * rows)), frow), iadd(wcol, fcol)
                     e.emit(Store(buf, iadd(imul(r, stride), col), Cast(Load("acc", slot, DType.f32), dt)))
 
                 _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)

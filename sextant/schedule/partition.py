@@ -574,15 +574,17 @@ def _drop_stored_reshapes(groups: list[Group], stored: set[int], outputs: set[in
     bytes: consumers can index the member's buffer instead, so the reshape leaves the kernel."""
     for g in groups:
         members = {id(m) for m in g.members}
+        dropped: set[int] = set()
         kept = []
         for m in g.members:
             src = m.inputs[0] if m.op == "reshape" else m
-            while src.op == "reshape" and id(src) in members and id(src) not in stored:
+            while src.op == "reshape" and (id(src) in dropped or (id(src) in members and id(src) not in stored)):
                 src = src.inputs[0]
             if (m.op == "reshape" and id(m) in stored and id(m) not in outputs
                     and id(src) in stored and id(src) in members):
                 stored.discard(id(m))
                 members.discard(id(m))
+                dropped.add(id(m))
             else:
                 kept.append(m)
         g.members = kept

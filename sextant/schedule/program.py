@@ -103,7 +103,7 @@ class Program:
 
 
 def _movement_of_param(n: Node) -> bool:
-    while n.op in ("reshape", "permute", "expand", "slice"):
+    while n.op in ("reshape", "permute", "expand", "slice", "pad"):
         n = n.inputs[0]
     return n.op == "param"
 

@@ -30,7 +30,7 @@ import math
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node
-from sextant.graph.passes.rewrite import rebuild
+from sextant.graph.passes.rewrite import replace_nodes
 from sextant.schedule.attention_match import match_attention
 from sextant.schedule.gpu_mma import CANDIDATES, tensor_core_product
 from sextant.schedule.target import TargetDesc
@@ -46,8 +46,7 @@ def split_factor(m: int, n: int, k: int, batch: int, target: TargetDesc) -> int:
     problem that already occupies more than half of them is left alone: a second, partial wave
     would cost what the split saves), no more than ``k // MIN_SLICE_K`` (short slices are all
     prologue and epilogue) nor :data:`MAX_SPLITS`."""
-    tile = CANDIDATES[-1]
-    tiles = math.ceil(m / tile.bm) * math.ceil(n / tile.bn) * batch
+    tiles = math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * batch
     s = min(target.cores // tiles, k // MIN_SLICE_K, MAX_SPLITS)
     return s if s >= 2 else 1
 
@@ -59,7 +58,8 @@ def slice_depth(k: int, s: int, bk: int = 32) -> tuple[int, int]:
     for t in range(s, max(2, s // 2) - 1, -1):
         if k % (t * bk) == 0:
             return t, k // t
-    return s, math.ceil(k / s / bk) * bk
+    depth = math.ceil(k / s / bk) * bk
+    return math.ceil(k / depth), depth  # no slice of padding only
 
 
 def split_k(graph: Graph, target: TargetDesc) -> tuple[Graph, list[str]]:
@@ -71,12 +71,16 @@ def split_k(graph: Graph, target: TargetDesc) -> tuple[Graph, list[str]]:
     in_attention = {id(m) for a in found for m in a.members}
     notes: list[str] = []
 
-    def fn(mm: Node) -> Node | None:
+    def split(mm: Node) -> Node | None:
+        """The rewrite of ``mm``, built on its original operands (``replace_nodes`` rewires them
+        onto their own replacements, so an attention chain below a split projection is still
+        recognised by its original nodes)."""
         if mm.op != "matmul" or id(mm) in in_attention or not tensor_core_product(mm, target):
             return None
         a, b = mm.inputs
         *batch, m, k = a.shape
         n = b.shape[-1]
+        tiles = math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * math.prod(batch)
         s = split_factor(m, n, k, math.prod(batch), target)
         if s == 1:
             return None
@@ -95,11 +99,11 @@ def split_k(graph: Graph, target: TargetDesc) -> tuple[Graph, list[str]]:
         for i in range(1, s):  # one elementwise kernel sums the slices (and runs the epilogue)
             total = gb.add(total, gb.reshape(gb.slice(partial, r, i, 1), mm.shape))
         where = f" at {mm.loc}" if mm.loc else ""
-        tiles = math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * math.prod(batch)
         notes.append(f"split-K: matmul{where} ({'[' + 'x'.join(map(str, batch)) + '] ' if batch else ''}"
                      f"{m}x{k} . {k}x{n}: {tiles} tile(s) for {target.cores} SMs) runs as {s} slices of "
                      f"K={depth}{f' (K padded by {s * depth - k})' if s * depth > k else ''}, "
                      f"f32 partials summed by the epilogue's kernel")
         return total if mm.dtype == DType.f32 else gb.cast(total, mm.dtype)
 
-    return rebuild(graph, fn), notes
+    rewrites = {mm: rep for mm in graph.nodes if (rep := split(mm)) is not None}
+    return (replace_nodes(graph, rewrites) if rewrites else graph), notes

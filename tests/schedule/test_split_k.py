@@ -104,6 +104,8 @@ def test_skinny_products_split_and_match_eager_race_checked(dtype: torch.dtype, 
                 if program.groups[la.group].kind == "matmul"}
     assert mappings == {"tensor-core"}
     assert len(program.launches) == 3  # up (+GELU), the sliced down product, the sum (+bias, residual)
+    if h % 96:  # K = 1000 padded to 3 slices of 352: the weight is padded once, at compile time
+        assert any(b.kind == "param" and b.node.shape == (3, 352, d) for b in program.buffers)
     for args in ((x,), (torch.randn_like(x),)):
         got = cm(*args)
         assert got.dtype == dtype
@@ -167,6 +169,37 @@ def test_attention_products_and_full_gemms_are_not_split() -> None:
     big = run_pipeline(sextant.capture(Decoder(512, 2048).half(), (torch.randn(8, 128, 512).half(),)))
     assert split_k(big, H100)[1] == []  # 128 tiles of 64 x 64 already occupy 128 of 132 SMs
     assert split_k(big, gpu_target("sm_75"))[1] == []  # no tensor cores: nothing to split
+
+
+class CachedAttention(nn.Module):
+    """A decode step against a KV cache, attention written out as HF models do (half products, the
+    softmax in f32): the 16 new tokens' query projection splits (12 tiles), and P·V (16 queries ×
+    512 cached keys, 12 heads: 12 tiles, K = 512) would too if it were not part of the chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(768, 768)
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(1, 16, 12, 64).transpose(1, 2)
+        p = torch.softmax((q @ k.transpose(-1, -2)).float() / 8.0, dim=-1).to(q.dtype)
+        return p @ v
+
+
+def test_attention_below_a_split_projection_still_fuses() -> None:
+    torch.manual_seed(3)
+    model = CachedAttention().half()
+    x, kv = torch.randn(1, 16, 768).half(), torch.randn(1, 12, 512, 64).half()
+    program = schedule(run_pipeline(sextant.capture(model, (x, kv, kv))), H100)
+    assert [g.kind for g in program.groups].count("attention") == 1
+    assert len(program.rewrites) == 1 and "(16x768 . 768x768" in program.rewrites[0]  # the projection only
+
+
+def test_no_slice_is_padding_only() -> None:
+    for k in (1000, 4100, 3000, 777):
+        for s in range(2, MAX_SPLITS + 1):
+            t, depth = slice_depth(k, s)
+            assert t * depth >= k > (t - 1) * depth and depth % 32 == 0, (k, s, t, depth)
 
 
 # -- the mixed-precision matmul the rewrite emits ---------------------------------------------
