@@ -155,17 +155,25 @@ class _Fusion:
         # Decide which values are stored: outputs of the graph, anchors used outside their group,
         # elementwise values shared by several kernels (when costly to recompute).
         users = self.users
+        bound: dict[int, tuple[int, bool]] = {}  # tree_cost's upper bound and whether it is exact
         for n in graph.nodes:
             if is_buffer(n):
                 continue
             g = group_of.get(id(n))
+            bound[id(n)] = self.cost_bound(n, bound, INLINE_OPS_LIMIT)
             if id(n) in self.outputs or (g is not None and self.used_outside(n, g)):
                 stored.add(id(n))
             elif g is None and inlinable(n):
-                consumers = {id(group_of.get(id(u))) for u in users[n]}
-                if (len(users[n]) > 1 and len(consumers) > 1
-                        and self.tree_cost(n, INLINE_OPS_LIMIT) > INLINE_OPS_LIMIT):
-                    stored.add(id(n))
+                # the kernels that would recompute n, looking through the ungrouped nodes between
+                # (a residual stream read by a LayerNorm and the next residual add, both inlined);
+                # the bound spares the walk while a chain is still short
+                upper, exact = bound[id(n)]
+                if len(users[n]) > 1 and upper > INLINE_OPS_LIMIT and len(self.readers(n)) > 1:
+                    cost = upper if exact else self.tree_cost(n, INLINE_OPS_LIMIT)
+                    if cost > INLINE_OPS_LIMIT:
+                        stored.add(id(n))
+                    else:
+                        bound[id(n)] = (cost, True)  # users' bounds start from the exact figure
             elif g is None:
                 stored.add(id(n))
 
@@ -233,6 +241,22 @@ class _Fusion:
             stack.extend(reversed(x.inputs))
         self.work.add("fusion: tree cost", visited)
         return cost
+
+    def cost_bound(self, n: Node, bound: dict[int, tuple[int, bool]], limit: int) -> tuple[int, bool]:
+        """An upper bound of :meth:`tree_cost` (capped at ``limit + 1``) from the bounds of ``n``'s
+        operands (a shared operand counts once per use), and whether it is exact: when at most one
+        operand costs anything and its bound is exact — a chain, such as a residual stream."""
+        total = 0 if n.op in MOVEMENT or n.op in ("full", "iota") else 1
+        costly = []
+        for i in n.inputs:
+            if id(i) in self.stored or is_buffer(i) or not inlinable(i):
+                continue
+            b, exact = bound.get(id(i), (limit + 1, False))
+            if b:
+                costly.append(exact)
+            total += b
+        exact = len(costly) == 0 or (len(costly) == 1 and costly[0])
+        return (limit + 1, exact) if total > limit else (total, exact)
 
     def reduce_frontier(self, n: Node) -> list[Node]:
         """One grouped node per *reduction* group that ``n`` reads through ungrouped inlined
@@ -401,10 +425,16 @@ class _Fusion:
 
     def used_outside(self, n: Node, g: Group) -> bool:
         """Whether a kernel other than ``n``'s own group ``g`` reads ``n``, looking through the
-        ungrouped inlined nodes in between (a kernel not formed yet counts as another).
+        ungrouped inlined nodes in between (a kernel not formed yet counts as another)."""
+        readers = self.readers(n)
+        return len(readers) > 1 or (bool(readers) and next(iter(readers)) != id(g))
+
+    def readers(self, n: Node) -> frozenset:
+        """Up to two of the kernels that read ``n`` (group ids; ``None``: a kernel not formed yet, or
+        a graph output), looking through the ungrouped inlined nodes in between.
 
         Each ungrouped node's readers are computed once, as at most two distinct readers:
-        two are enough to know that one of them is not ``g``."""
+        two are enough to know that one of them is not a given kernel."""
         memo = self._readers
         group_of, users, outputs = self.group_of, self.users, self.outputs
 
@@ -438,8 +468,10 @@ class _Fusion:
         readers: set = set()
         for u in users[n]:
             readers |= direct(u)  # type: ignore[arg-type]
+            if len(readers) > 1:
+                break
         self.work.add("fusion: effective users", 1)
-        return len(readers) > 1 or (bool(readers) and next(iter(readers)) != id(g))
+        return frozenset(readers)
 
     # -- joins -------------------------------------------------------------------------------
     def join_reduce_group(self, n: Node) -> Group | None:

@@ -121,7 +121,10 @@ def _work(n: int) -> WorkCounter:
     graph = run_pipeline(_blocks(n), work=work)
     program = schedule(graph, cpu_target(cores=2, vector_bytes=32), work=work)
     # 6 kernels a block (the attention is one), and every third residual sum stored as a conv operand
-    assert 6 * n <= len(program.launches) <= 7 * n + 1  # + the CPU's copy of the padded first input
+    # + the CPU's copy of the padded first input, + the residual stream stored about once every
+    # INLINE_OPS_LIMIT blocks (read by the next block's pad copy and the next residual add, its
+    # chain of adds is recomputed until it costs more than that)
+    assert 6 * n <= len(program.launches) <= 7 * n + 1 + n // 12
     return work
 
 
