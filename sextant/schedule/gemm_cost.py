@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sextant.schedule.target import TargetDesc
+from sextant.schedule.target import TargetDesc, sm_version
 
 if TYPE_CHECKING:
     from sextant.report.roofline import GpuSpec
@@ -54,8 +54,7 @@ class TileEstimate:
 
 
 def _arch(target: TargetDesc) -> int:
-    digits = "".join(ch for ch in target.name.removeprefix("sm_") if ch.isdigit())
-    return int(digits) if digits else 90
+    return sm_version(target) or 90  # the model is for GPUs; anything else is costed as Hopper
 
 
 def gpu_of(target: TargetDesc) -> GpuSpec:

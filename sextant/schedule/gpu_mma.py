@@ -29,7 +29,6 @@ f32, as torch's f16/bf16 matmuls on the GPU.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,7 +58,7 @@ from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _gri
 from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, iadd, idiv, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
-from sextant.schedule.target import TargetDesc
+from sextant.schedule.target import TargetDesc, sm_version
 from sextant.schedule.views import chunked
 
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
@@ -138,11 +137,6 @@ def transposed_source(b: Node, buffers: dict[int, str], batch: list[int]) -> Nod
         return None
     w = b.inputs[0]
     return w if id(w) in buffers and list(w.shape[:-2]) == list(batch) else None
-
-
-def sm_version(target: TargetDesc) -> int:
-    m = re.match(r"sm_(\d+)", target.name)
-    return int(m.group(1)) if m else 0
 
 
 def half_product(mm: Node, target: TargetDesc) -> bool:

@@ -39,6 +39,11 @@ MIN_SLICE_K = 256  # each slice keeps ≥ 8 K tiles of 32: the pipeline prologue
 MAX_SPLITS = 16  # beyond this the f32 partials cost more traffic than the idle SMs do
 
 
+def small_tiles(m: int, n: int, batch: int) -> int:
+    """Blocks of the smallest candidate tile a ``[batch] m × n`` product has."""
+    return math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * batch
+
+
 def split_factor(m: int, n: int, k: int, batch: int, target: TargetDesc) -> int:
     """How many K slices a tensor-core product ``[batch] m × k · k × n`` should run as (1: none).
 
@@ -46,8 +51,7 @@ def split_factor(m: int, n: int, k: int, batch: int, target: TargetDesc) -> int:
     problem that already occupies more than half of them is left alone: a second, partial wave
     would cost what the split saves), no more than ``k // MIN_SLICE_K`` (short slices are all
     prologue and epilogue) nor :data:`MAX_SPLITS`."""
-    tiles = math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * batch
-    s = min(target.cores // tiles, k // MIN_SLICE_K, MAX_SPLITS)
+    s = min(target.cores // small_tiles(m, n, batch), k // MIN_SLICE_K, MAX_SPLITS)
     return s if s >= 2 else 1
 
 
@@ -80,7 +84,6 @@ def split_k(graph: Graph, target: TargetDesc) -> tuple[Graph, list[str]]:
         a, b = mm.inputs
         *batch, m, k = a.shape
         n = b.shape[-1]
-        tiles = math.ceil(m / CANDIDATES[-1].bm) * math.ceil(n / CANDIDATES[-1].bn) * math.prod(batch)
         s = split_factor(m, n, k, math.prod(batch), target)
         if s == 1:
             return None
@@ -99,6 +102,7 @@ def split_k(graph: Graph, target: TargetDesc) -> tuple[Graph, list[str]]:
         for i in range(1, s):  # one elementwise kernel sums the slices (and runs the epilogue)
             total = gb.add(total, gb.reshape(gb.slice(partial, r, i, 1), mm.shape))
         where = f" at {mm.loc}" if mm.loc else ""
+        tiles = small_tiles(m, n, math.prod(batch))
         notes.append(f"split-K: matmul{where} ({'[' + 'x'.join(map(str, batch)) + '] ' if batch else ''}"
                      f"{m}x{k} . {k}x{n}: {tiles} tile(s) for {target.cores} SMs) runs as {s} slices of "
                      f"K={depth}{f' (K padded by {s * depth - k})' if s * depth > k else ''}, "

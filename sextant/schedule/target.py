@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -64,3 +65,9 @@ def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
     return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=base.shared_bytes,
                       vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True, tf32=tf32)
 
+
+
+def sm_version(target: TargetDesc) -> int:
+    """The compute capability of a GPU target as a number (``sm_90a`` → 90); 0 for the CPU."""
+    m = re.match(r"sm_(\d+)", target.name)
+    return int(m.group(1)) if m else 0
