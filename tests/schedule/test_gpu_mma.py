@@ -15,8 +15,9 @@ from sextant.graph.passes import run_pipeline
 from sextant.schedule.program import schedule
 from sextant.schedule.target import gpu_target
 
+from .half_models import MLP, TOL, eager_f32
+
 DTYPES = [torch.float16, torch.bfloat16]
-TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 class Epilogue(nn.Module):
@@ -29,22 +30,6 @@ class Epilogue(nn.Module):
 
     def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ self.w + self.b) * r
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x))) + x
-
-
-def _eager_f32(model: nn.Module, *args: torch.Tensor) -> torch.Tensor:
-    """The model in f32 on the half inputs (what f32 accumulation should approach)."""
-    import copy
-    with torch.no_grad():
-        return copy.deepcopy(model).float()(*(a.float() if a.is_floating_point() else a for a in args))
 
 
 def _mappings(cm: object) -> set[str]:
@@ -66,7 +51,7 @@ def test_ragged_matmul_with_epilogue_matches_eager(dtype: torch.dtype, tile: gpu
     for args in ((x, r), (torch.randn_like(x), torch.randn_like(r))):
         got = cm(*args)
         assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), _eager_f32(model, *args), rtol=TOL[dtype], atol=TOL[dtype])
+        torch.testing.assert_close(got.float(), eager_f32(model, *args), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -77,7 +62,7 @@ def test_mlp_race_checked_on_cuda_sim(dtype: torch.dtype, monkeypatch: pytest.Mo
     model, x = MLP(72, 136).to(dtype), torch.randn(3, 21, 72).to(dtype)
     cm = sextant.compile(model, (x,), target="cuda-sim", cache=False)
     assert _mappings(cm) == {"tensor-core"}
-    torch.testing.assert_close(cm(x).float(), _eager_f32(model, x), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(cm(x).float(), eager_f32(model, x), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -138,7 +123,7 @@ def test_llama_style_lm_runs_its_half_matmuls_on_tensor_cores(dtype: torch.dtype
     assert len(half) >= 14  # q, k, v, o, gate, up, down per layer (and the LM head)
     assert {program.kernels[launch.kernel].meta["mapping"] for launch in half} == {"tensor-core"}
     got = cm(ids)
-    want = _eager_f32(model, ids)
+    want = eager_f32(model, ids)
     err = (got.float() - want).abs().max().item()
     assert err <= 4 * torch.finfo(dtype).eps * want.abs().max().item(), err
 
@@ -168,7 +153,7 @@ def test_half_convolutions_run_on_tensor_cores(dtype: torch.dtype, monkeypatch: 
     cm = sextant.compile(model, (x,), target="cuda-sim", cache=False)
     program = cm.stages["program"]
     assert {k.meta["mapping"] for k in program.kernels.values()} == {"tensor-core-implicit-gemm"}
-    torch.testing.assert_close(cm(x).float(), _eager_f32(model, x), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(cm(x).float(), eager_f32(model, x), rtol=TOL[dtype], atol=TOL[dtype])
     for r in cm.stages["ptxas"].kernels.values():
         assert r.spill_stores == r.spill_loads == 0
     monkeypatch.setenv("SEXTANT_CHECK_RACES", "0")

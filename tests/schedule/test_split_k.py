@@ -5,7 +5,6 @@ epilogues, tf32), the kernels' counters and ptxas figures, and the mixed-precisi
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
@@ -29,24 +28,9 @@ from sextant.schedule.program import schedule
 from sextant.schedule.split_k import MAX_SPLITS, slice_depth, split_factor, split_k
 from sextant.schedule.target import cpu_target, gpu_target
 
-TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+from .half_models import MLP, TOL, eager_f32
+
 H100 = gpu_target("sm_90")
-
-
-class Decoder(nn.Module):
-    """A decode step's MLP: 16 tokens through d -> h -> d with GELU, bias and the residual."""
-
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x))) + x
-
-
-def _eager_f32(model: nn.Module, *args: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return copy.deepcopy(model).float()(*(a.float() for a in args))
 
 
 def _split_matmuls(graph: Graph) -> list:
@@ -71,9 +55,9 @@ def test_slice_depth_prefers_whole_tiles_then_pads() -> None:
     assert slice_depth(1000, 3) == (3, 352)  # no divisor: K padded to 1056
 
 
-def _decoder_graph(d: int, h: int, dtype: torch.dtype) -> tuple[Decoder, torch.Tensor, Graph]:
+def _decoder_graph(d: int, h: int, dtype: torch.dtype) -> tuple[MLP, torch.Tensor, Graph]:
     torch.manual_seed(0)
-    model, x = Decoder(d, h).to(dtype), torch.randn(1, 16, d).to(dtype)
+    model, x = MLP(d, h).to(dtype), torch.randn(1, 16, d).to(dtype)
     return model, x, run_pipeline(sextant.capture(model, (x,)))
 
 
@@ -109,7 +93,7 @@ def test_skinny_products_split_and_match_eager_race_checked(dtype: torch.dtype, 
     for args in ((x,), (torch.randn_like(x),)):
         got = cm(*args)
         assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), _eager_f32(model, *args), rtol=TOL[dtype], atol=TOL[dtype])
+        torch.testing.assert_close(got.float(), eager_f32(model, *args), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 def test_batched_tf32_product_splits() -> None:
@@ -166,7 +150,7 @@ def test_attention_products_and_full_gemms_are_not_split() -> None:
     q = torch.randn(1, 1, 16, 1024).half()  # one head of width 1024: deep, skinny Q·Kᵀ
     graph = run_pipeline(sextant.capture(Attn(), (q, q, q)))
     assert split_k(graph, H100)[1] == []  # fused attention owns its products
-    big = run_pipeline(sextant.capture(Decoder(512, 2048).half(), (torch.randn(8, 128, 512).half(),)))
+    big = run_pipeline(sextant.capture(MLP(512, 2048).half(), (torch.randn(8, 128, 512).half(),)))
     assert split_k(big, H100)[1] == []  # 128 tiles of 64 x 64 already occupy 128 of 132 SMs
     assert split_k(big, gpu_target("sm_75"))[1] == []  # no tensor cores: nothing to split
 
