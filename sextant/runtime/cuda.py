@@ -388,7 +388,10 @@ class CudaRunner:
         self._context = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # at interpreter exit module globals (contextlib) may already be None
+            pass
 
     def __repr__(self) -> str:
         mode = "CUDA graph" if self.use_graph else "kernel by kernel"

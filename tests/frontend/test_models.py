@@ -104,3 +104,26 @@ def test_huggingface_model_output_is_kept() -> None:
     assert type(out) is type(ref)
     assert list(out.keys()) == list(ref.keys())
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
+
+
+def test_eval_batch_norm_takes_the_saved_stats_shape_torch_recorded() -> None:
+    """On CUDA torch records eval batch norm's (unused) saved mean/invstd as [C], on the CPU as [0]:
+    the lowering must follow the recorded shape (a real-GPU run found the [0] assumption)."""
+    from sextant.frontend.capture import export, translate
+
+    model, args = EXAMPLES["cnn"]()
+    ep = export(model.eval(), args)
+    patched = 0
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and "batch_norm_legit_no_training" in str(node.target):
+            out, mean, invstd = node.meta["val"]
+            channels = out.shape[1]
+            node.meta["val"] = (out, mean.new_empty(channels), invstd.new_empty(channels))
+            patched += 1
+    assert patched
+    graph = translate(ep, "cnn")
+    fresh = _fresh_like(args)
+    with torch.no_grad():
+        expected = model(*fresh)
+    (got,) = run_graph(graph, fresh)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

@@ -228,8 +228,10 @@ def _batch_norm_eval(ctx: LoweringContext, x: Node, weight, bias, running_mean, 
     if bias is not None:
         shift = b.add(shift, b.cast(bias, t))
     out = b.add(b.mul(y, _channel(b, scale, y.type.rank, t)), _channel(b, shift, y.type.rank, t))
-    empty = b.full(0, (0,), ctx.out_dtype(1))
-    return b.cast(out, x.dtype), empty, empty
+    # The saved mean/invstd are unused in eval mode; torch records them as [0] on the CPU and as
+    # [C] (never computed) on CUDA, so take the shape torch recorded rather than assume one.
+    saved = b.full(0, ctx.out_shape(1), ctx.out_dtype(1))
+    return b.cast(out, x.dtype), saved, saved
 
 
 @lower(aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
