@@ -30,7 +30,7 @@ from llvmlite import ir
 
 from sextant.codegen import nvptx_tensor_core as tc
 from sextant.codegen.errors import CodegenError
-from sextant.codegen.libdevice import NVPTX_MATH, link_libdevice
+from sextant.codegen.libdevice import link_libdevice, nvptx_math
 from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
 from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
@@ -230,8 +230,11 @@ class _Lowering(LoweringBase):
         md = module.add_named_metadata("nvvm.annotations")  # LLVM ≥ 21 upgrades these to "nvvm.reqntid"
         for axis, n in zip("xyz", kernel.block, strict=True):
             md.add(module.add_metadata([self.fn, ir.MetaDataString(module, f"reqntid{axis}"), ir.Constant(I32, n)]))
+        if kernel.meta.get("max_registers"):  # .maxnreg: the register budget the mapping's occupancy assumes
+            md.add(module.add_metadata([self.fn, ir.MetaDataString(module, "maxnreg"),
+                                        ir.Constant(I32, int(kernel.meta["max_registers"]))]))
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
-        self.math = ScalarMath(module, self.b, NVPTX_MATH)
+        self.math = ScalarMath(module, self.b, nvptx_math(int(_ARCH.match(arch).group(1)) if _ARCH.match(arch) else 0))
         self.buffers: dict[str, tuple[Buffer, ir.Value]] = {}
         self.slots: dict[str, ir.Value] = {}
         self.var_types: dict[str, DType] = {}

@@ -90,6 +90,11 @@ class MathLibrary:
     def call(self, m: ScalarMath, name: str, args: list[ir.Value]) -> ir.Value:
         raise NotImplementedError
 
+    def round_bf16(self, m: ScalarMath, x: ir.Value) -> ir.Value | None:
+        """f32 → bf16 bits (round to nearest even) in one instruction where the target has one;
+        None: the portable integer sequence of :meth:`ScalarMath.from_f32`."""
+        return None
+
 
 # C names the CPU reaches through LLVM intrinsics (the rest are libm symbols)
 _CPU_INTRINSICS = {
@@ -181,6 +186,9 @@ class ScalarMath:
         if dt == DType.f16:
             return self.b.fptrunc(x, F16)
         if dt == DType.bf16:  # c10::round_to_nearest_even: NaN -> 0x7FC0, else add the rounding bias
+            native = self.lib.round_bf16(self, x)
+            if native is not None:
+                return native
             b = self.b
             u = b.bitcast(x, I32)
             bias = b.add(b.and_(b.lshr(u, ir.Constant(I32, 16)), ir.Constant(I32, 1)), ir.Constant(I32, 0x7FFF))

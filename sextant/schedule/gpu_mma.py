@@ -454,7 +454,7 @@ def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc
     shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue, out_dtype=mm.dtype)
     _check_shared(name, shared, target)
     meta = {"mapping": mapping, "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
-            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": mma}
+            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": mma, "max_registers": tile.registers}
     return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
                   local=local, meta=meta)
 

@@ -65,17 +65,23 @@ def test_mlp_race_checked_on_cuda_sim(dtype: torch.dtype, monkeypatch: pytest.Mo
     torch.testing.assert_close(cm(x).float(), eager_f32(model, x), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_tensor_core_kernels_assemble_without_spills(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_core_kernels_assemble_without_spills(arch: str, dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from sextant.codegen.sass import disassemble, find_disassembler
 
     for tile in gpu_mma.CANDIDATES:
         monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, tile=tile: tile)
-        model, x = MLP(64, 256).half(), torch.randn(4, 64, 64).half()
+        model, x = MLP(64, 256).to(dtype), torch.randn(4, 64, 64).to(dtype)
         cm = sextant.compile(model, (x,), target="cuda-sim", arch=arch, cache=False)
         ptx = cm.stages["ptx"].ptx
-        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+        short = "f16" if dtype == torch.float16 else "bf16"
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{short}.{short}.f32" in ptx
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+        assert f".maxnreg {tile.registers}" in ptx  # the cost model's register figure is ptxas's budget
+        if dtype == torch.bfloat16:  # rounding to bf16 is one instruction from sm_80 on
+            assert "cvt.rn.bf16.f32" in ptx
         res = assemble(ptx, arch)
         for name, r in res.kernels.items():
             assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (tile, name, r)
