@@ -6,8 +6,11 @@ On the GPU the kernel IR's SIMT model is the hardware's, so the lowering is dire
   buffer (``kernel.params`` order) and ``.reqntid`` = its block, so ``bdim`` is a constant and
   ``tid`` gets a range (the driver refuses any other block shape); ``bid``/``gdim`` are read
   from ``%ctaid``/``%nctaid``;
-* ``shared`` buffers are ``addrspace(3)`` globals (one per kernel and buffer), ``local`` buffers
-  allocas (SROA puts them in registers when every index is constant, else ``.local`` memory);
+* ``shared`` buffers are ``addrspace(3)`` globals (one per kernel and buffer) — or, past the
+  48 KiB a block may declare statically, 16-byte-aligned slices of one ``extern`` dynamic shared
+  array whose size the runtime passes at launch (:func:`dynamic_shared_bytes`, after raising the
+  kernel's limit with ``cuFuncSetAttribute``); ``local`` buffers are allocas (SROA puts them in
+  registers when every index is constant, else ``.local`` memory);
 * ``Barrier`` is ``bar.sync 0``; ``WarpReduce`` a butterfly of ``shfl.sync.bfly`` (see
   :meth:`_Lowering._warp_reduce` for partial warps);
 * scalar semantics are ``scalar_math``'s (torch's), with C math from libdevice
@@ -56,7 +59,7 @@ TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
 GLOBAL, SHARED = 1, 3  # NVPTX address spaces
 WARP = 32
-MAX_STATIC_SHARED = 48 * 1024  # more needs dynamic shared memory (not supported)
+MAX_STATIC_SHARED = 48 * 1024  # more is dynamic shared memory (opted into per kernel at load time)
 # every global buffer starts 16-byte aligned (CUDA allocations are 256-byte aligned, the arena's
 # offsets 64-byte aligned; the runtime copies a misaligned input view): lets 128-bit accesses form
 PARAM_ALIGN = 16
@@ -77,7 +80,7 @@ class PtxKernel:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     params: tuple[str, ...]  # global buffers, in parameter order
-    shared_bytes: int  # static shared memory
+    shared_bytes: int  # shared memory: static, or dynamic when over MAX_STATIC_SHARED
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,21 @@ def _shared_bytes(k: Kernel) -> int:
     return sum(s.size * s.dtype.itemsize for s in k.shared)
 
 
+def _shared_offsets(k: Kernel) -> tuple[list[int], int]:
+    """Each shared buffer's byte offset in one dynamic array (16-byte aligned: vector and
+    ``ldmatrix``/``cp.async`` accesses), and the array's size."""
+    offsets, end = [], 0
+    for s in k.shared:
+        offsets.append(end)
+        end += -(-s.size * s.dtype.itemsize // 16) * 16
+    return offsets, end
+
+
+def dynamic_shared_bytes(k: Kernel) -> int:
+    """The dynamic shared memory ``k`` is launched with: 0 when its buffers fit the static 48 KiB."""
+    return _shared_offsets(k)[1] if _shared_bytes(k) > MAX_STATIC_SHARED else 0
+
+
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _Lowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel, arch: str = DEFAULT_ARCH):
@@ -254,10 +272,9 @@ class _Lowering(LoweringBase):
             arg.name = p.name
             arg.attributes.align = PARAM_ALIGN
             self.buffers[p.name] = (p, arg)
-        if _shared_bytes(k) > MAX_STATIC_SHARED:
-            raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {MAX_STATIC_SHARED} bytes of "
-                             "static shared memory a block may declare (dynamic shared memory is not supported)")
-        for s in k.shared:
+        if dynamic_shared_bytes(k):
+            self._dynamic_shared(k)
+        for s in k.shared if not dynamic_shared_bytes(k) else ():
             ty = ir.ArrayType(mem_type(s.dtype), s.size)
             g = ir.GlobalVariable(self.module, ty, f"{k.name}.{s.name}", addrspace=SHARED)
             g.linkage = "internal"
@@ -293,6 +310,17 @@ class _Lowering(LoweringBase):
         return buf, self.b.gep(base, [index], inbounds=True, source_etype=mem_type(buf.dtype))
 
     # -- structure ---------------------------------------------------------------------------
+    def _dynamic_shared(self, k: Kernel) -> None:
+        """Shared buffers as slices of the kernel's ``extern .shared`` array (over 48 KiB)."""
+        arr = ir.GlobalVariable(self.module, ir.ArrayType(I8, 0), f"{k.name}_dynamic_shared", addrspace=SHARED)
+        arr.linkage = "external"
+        arr.align = 16
+        arr.type = ir.PointerType(addrspace=SHARED)
+        offsets, _ = _shared_offsets(k)
+        for s, off in zip(k.shared, offsets, strict=True):
+            ptr = self.b.gep(arr, [self._i32(off)], source_etype=I8, name=f"{k.name}.{s.name}")
+            self.buffers[s.name] = (s, ptr)
+
     def emit(self) -> None:
         self._preamble()
         self._stmts(self.kernel.body)

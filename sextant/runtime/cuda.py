@@ -170,6 +170,7 @@ class CudaRunner:
             self._functions = {name: self._drv("cuModuleGetFunction", self._module, name.encode(),
                                                what=f"looking up kernel {name} in the loaded module")
                                for name in program.kernels}
+            self._shared = self._opt_into_dynamic_shared()
         # device memory: weights once, one arena for the intermediates
         self.constants = {i: t.detach().contiguous().to(self.device) for i, t in program.constants.items()}
         self.arena = torch.empty(max(program.arena_bytes, 1), dtype=torch.uint8, device=self.device)
@@ -286,7 +287,8 @@ class CudaRunner:
         self._rebind(addresses)
         d, handle = self._drv, self._stream_handle(stream)
         for s, block in zip(self.plan.launches, self._blocks):
-            d("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, 0, handle, block.address, 0,
+            d("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, self._shared[s.kernel], handle,
+              block.address, 0,
               what=_describe(s))
             self.stats["kernel_launches"] += 1
             if self.sync_each_launch:
@@ -345,9 +347,22 @@ class CudaRunner:
         p.func = self._functions[s.kernel]
         p.gridDimX, p.gridDimY, p.gridDimZ = s.grid
         p.blockDimX, p.blockDimY, p.blockDimZ = s.block
-        p.sharedMemBytes = 0  # shared memory is static, declared in the PTX
+        p.sharedMemBytes = self._shared[s.kernel]  # dynamic shared memory (0: all static, in the PTX)
         p.kernelParams = self._blocks[s.index].address
         return p
+
+    def _opt_into_dynamic_shared(self) -> dict[str, int]:
+        """Each kernel's dynamic shared memory; a kernel past the 48 KiB default is allowed its
+        size first (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), else its launches fail."""
+        from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+
+        sizes = {name: dynamic_shared_bytes(k) for name, k in self.program.kernels.items()}
+        attr = self._drv.m.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for name, size in sizes.items():
+            if size:
+                self._drv("cuFuncSetAttribute", self._functions[name], attr, size,
+                          what=f"allowing kernel {name} {size} bytes of dynamic shared memory")
+        return sizes
 
     def _stream_handle(self, stream: int) -> Any:
         return self._drv.m.CUstream(stream)
@@ -388,9 +403,9 @@ class CudaRunner:
         self._context = None
 
     def __del__(self) -> None:
-        try:
+        try:  # noqa: SIM105  (not contextlib.suppress: at interpreter exit module globals may be None)
             self.close()
-        except Exception:  # at interpreter exit module globals (contextlib) may already be None
+        except Exception:
             pass
 
     def __repr__(self) -> str:

@@ -613,10 +613,10 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
                   meta={"mapping": "thread-per-element"})
 
 
+# (gpu_tf32 too is imported here, eagerly: a lazy import could bind a test's monkeypatched choose_tile)
 from sextant.schedule.gpu_conv import gpu_conv_kernel  # noqa: E402  (built from GemmTiles above)
 from sextant.schedule.gpu_mma import gpu_mma_matmul_kernel, uses_tensor_cores  # noqa: E402
-from sextant.schedule.gpu_tf32 import gpu_tf32_matmul_kernel, uses_tf32  # noqa: E402  (imported eagerly: a
-# lazy import could bind a test's monkeypatched gpu_mma.choose_tile for the rest of the process)
+from sextant.schedule.gpu_tf32 import gpu_tf32_matmul_kernel, uses_tf32  # noqa: E402
 
 
 def gpu_matmul(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:

@@ -17,7 +17,7 @@ class TargetDesc:
     name: str
     cores: int  # CPU cores, or streaming multiprocessors
     warp: int  # SIMT width; 1 on the CPU (a "thread" is a loop iteration)
-    shared_bytes: int  # shared memory per block
+    shared_bytes: int  # shared memory a block may use (on GPUs past 48 KiB it is dynamic, opted into)
     vector_bytes: int  # widest load/store
     max_threads: int  # threads per block
     is_gpu: bool = False
@@ -44,14 +44,17 @@ def cpu_target(cores: int | None = None, vector_bytes: int | None = None) -> Tar
 
 
 def sm90_target() -> TargetDesc:
-    """NVIDIA Hopper (H100/H200): 132 SMs, warps of 32, 48 KiB static shared memory per block."""
-    return TargetDesc("sm_90", cores=132, warp=32, shared_bytes=48 * 1024, vector_bytes=16, max_threads=1024,
+    """NVIDIA Hopper (H100/H200): 132 SMs, warps of 32, 227 KiB of shared memory per block."""
+    return TargetDesc("sm_90", cores=132, warp=32, shared_bytes=_SHARED[90], vector_bytes=16, max_threads=1024,
                       is_gpu=True)
 
 
 # SMs of the data-centre part of each architecture (A100, A10-class, L40, H100/H200 SXM, B200): the
-# elementwise mapping sizes its vector choice by them. Static shared memory is 48 KiB on all.
+# elementwise mapping sizes its vector choice by them.
 _SMS = {80: 108, 86: 84, 89: 142, 90: 132, 100: 148}
+# Shared memory one block may use (CUDA's cudaDevAttrMaxSharedMemoryPerBlockOptin): 48 KiB
+# static, the rest dynamic (codegen/llvm_nvptx.py switches a kernel over past 48 KiB).
+_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 
 
 def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
@@ -62,7 +65,8 @@ def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
     if not arch.startswith("sm_") or not digits:
         raise ValueError(f"unknown GPU architecture {arch!r}; expected e.g. 'sm_80' or 'sm_90'")
     base = sm90_target()
-    return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=base.shared_bytes,
+    shared = _SHARED.get(int(digits), 48 * 1024)
+    return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=shared,
                       vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True, tf32=tf32)
 
 

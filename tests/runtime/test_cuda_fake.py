@@ -52,6 +52,7 @@ class FakeDriver:
     CUresult = cuda_driver.CUresult
     CUDA_KERNEL_NODE_PARAMS = cuda_driver.CUDA_KERNEL_NODE_PARAMS
     CUstream = cuda_driver.CUstream
+    CUfunction_attribute = cuda_driver.CUfunction_attribute
 
     def __init__(self, program: Program, cpu: CpuModule, seed: int = 0, fail: dict[str, object] | None = None) -> None:
         self.program = program
@@ -64,6 +65,7 @@ class FakeDriver:
         self.fail = fail or {}  # function name -> CUresult to return instead of running it
         self.ctx_stack: list[object] = [None]  # the calling thread's context stack (top: current)
         self.retained = 0  # primary-context references held through this driver
+        self.shared_limits: dict[str, int] = {}  # kernel -> dynamic shared memory it was allowed
 
     def _call(self, name: str) -> object | None:
         self.calls.append(name)
@@ -127,9 +129,10 @@ class FakeDriver:
         err = self._call("cuLaunchKernel")
         if err:
             return (err,)
-        assert shared == 0 and extra == 0 and isinstance(stream, cuda_driver.CUstream)
+        assert extra == 0 and isinstance(stream, cuda_driver.CUstream)
         assert isinstance(params, int)  # a raw void** (the bindings also take None or (values, types))
         name = self.names[int(f)]
+        self._check_shared(name, shared)
         self._run(FakeNode(int(f), (gx, gy, gz), (bx, by, bz), self._read_params(name, params)))
         return (OK,)
 
@@ -183,10 +186,26 @@ class FakeDriver:
         self.calls.append("cuModuleUnload")
         return (OK,)
 
+    def cuFuncSetAttribute(self, f: object, attr: object, value: int) -> tuple:
+        assert attr == cuda_driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self.shared_limits[self.names[int(f)]] = value
+        return (self._call("cuFuncSetAttribute") or OK,)
+
     # -- helpers ---------------------------------------------------------------------------
+    def _check_shared(self, name: str, shared: int) -> None:
+        """A launch passes the kernel's dynamic shared memory, within what it was allowed (the
+        driver's default: 48 KiB), and no more than the PTX's ``.extern .shared`` array needs."""
+        from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+
+        assert shared == dynamic_shared_bytes(self.program.kernels[name]), (name, shared)
+        assert shared <= self.shared_limits.get(name, 48 * 1024), (name, shared, self.shared_limits)
+        if shared:
+            assert f"{name}_dynamic_shared[]".encode() in self.images[-1]
+
     def _node(self, p: object) -> FakeNode:
-        assert p.sharedMemBytes == 0 and p.extra == 0 and int(p.kern) == 0 and int(p.ctx) == 0
+        assert p.extra == 0 and int(p.kern) == 0 and int(p.ctx) == 0
         name = self.names[int(p.func)]
+        self._check_shared(name, p.sharedMemBytes)
         return FakeNode(int(p.func), (p.gridDimX, p.gridDimY, p.gridDimZ), (p.blockDimX, p.blockDimY, p.blockDimZ),
                         self._read_params(name, p.kernelParams))
 
@@ -368,3 +387,29 @@ def test_cuda_target_without_gpu_says_what_is_missing() -> None:
         require_cuda()
     with pytest.raises(CudaUnavailableError, match="cuda-sim"):
         sextant.compile(torch.nn.ReLU(), (torch.randn(3),), target="cuda")
+
+
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_kernels_past_48_kib_get_dynamic_shared_memory(use_graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor-core GEMM with four 19 KiB stages: its shared buffers become slices of one dynamic
+    array; the runner allows the kernel that size (cuFuncSetAttribute) and launches with it."""
+    import sextant.schedule.gpu_mma as gpu_mma
+    from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+
+    tile = gpu_mma.TcTile(128, 128, 32, 2, 4, registers=128, stages=4)
+    monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, *a, **k: tile)
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(96, 136).half(), torch.randn(2, 140, 96).half()
+    program = schedule(run_pipeline(capture(model, (x,))), sm90_target())
+    kernels = list(program.kernels.values())
+    big = [k.name for k in kernels if dynamic_shared_bytes(k)]
+    assert big and all(dynamic_shared_bytes(program.kernels[n]) > 48 * 1024 for n in big)
+    fake = FakeDriver(program, compile_kernels(kernels))
+    runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90").ptx, arch="sm_90", device="cpu", driver=fake,
+                        use_graph=use_graph)
+    assert set(fake.shared_limits) == set(big)
+    compiled = CompiledModule(run_pipeline(capture(model, (x,))), "cuda", runner, device="cpu")
+    for _ in range(2):
+        fresh = torch.randn_like(x)
+        expected = fresh.float() @ model.weight.float().T + model.bias.float()  # f32 reference
+        torch.testing.assert_close(compiled(fresh).float(), expected, rtol=2e-2, atol=2e-2)
