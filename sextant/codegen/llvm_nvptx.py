@@ -54,6 +54,7 @@ from sextant.kernel.ir import (
     Var,
     WarpReduce,
 )
+from sextant.schedule.target import max_shared_bytes
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
@@ -272,6 +273,10 @@ class _Lowering(LoweringBase):
             arg.name = p.name
             arg.attributes.align = PARAM_ALIGN
             self.buffers[p.name] = (p, arg)
+        sm = int(_ARCH.match(self.arch).group(1)) if _ARCH.match(self.arch) else 90
+        if _shared_bytes(k) > max_shared_bytes(sm):
+            raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {max_shared_bytes(sm)} bytes a "
+                             f"block may use on {self.arch} (48 KiB static, the rest dynamic)")
         if dynamic_shared_bytes(k):
             self._dynamic_shared(k)
         for s in k.shared if not dynamic_shared_bytes(k) else ():

@@ -98,11 +98,15 @@ class TcTile:
 
 
 # 128×128 (8 warps) and 128×64 (4 warps) give each warp a 64×32 tile (16 MMAs per 6 ldmatrix a
-# k-step); 64×64 for problems with too few larger tiles to occupy the GPU's SMs. Stages: 128×128
-# fills 48 KiB of static shared memory with 2 × 19 KiB; the 4-warp tiles (fewer warps to switch
-# between) keep a third tile in flight (3 × 15 KiB, 3 × 10 KiB) — a fourth for 64×64 would fit too,
-# but ptxas then gave it 147 registers instead of ≤ 112 (fewer resident blocks; measured sm_80/90).
-CANDIDATES = (TcTile(128, 128, 32, 2, 4, registers=128, stages=2),
+# k-step); 64×64 for problems with too few larger tiles to occupy the GPU's SMs. 128×128 walks K
+# 64 deep (2 × 35 KiB stages, dynamic shared memory): half the barriers and cp.async waits per
+# MMA of a 32-deep step; on an H200 (tools/tile_study, docs/benchmarks.md) it ran 4096³ fp16 in
+# 0.475 ms against 0.52 for 128×128×32 and 2048³ 11 % faster, GPT-2's 3072→768 layer 12 % faster,
+# its 768→3072 one 12 % slower (one run each; repeat spread ~15 % at 0.1 ms). The 4-warp tiles
+# (fewer warps to switch between) keep a third tile in flight (3 × 15 KiB, 3 × 10 KiB) — a fourth
+# for 64×64 fit too, but ptxas then gave it 147 registers instead of ≤ 112. 256×128 and 128×256
+# (64×64 warp tiles, ~210 registers, 1 block/SM) were 6–16 % slower than 128×128 on the H200.
+CANDIDATES = (TcTile(128, 128, 64, 2, 4, registers=128, stages=2),
               TcTile(128, 64, 32, 2, 2, registers=144, stages=3),
               TcTile(64, 64, 32, 2, 2, registers=112, stages=3))
 

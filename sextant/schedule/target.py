@@ -57,6 +57,11 @@ _SMS = {80: 108, 86: 84, 89: 142, 90: 132, 100: 148}
 _SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 
 
+def max_shared_bytes(sm: int) -> int:
+    """The shared memory one block of compute capability ``sm`` (e.g. 90) may use, opted in."""
+    return _SHARED.get(sm, 48 * 1024)
+
+
 def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
     """The GPU target for ``arch`` (``sm_80``, ``sm_90``, ``sm_90a``, ...): the same mappings, with the
     SM count of that generation's data-centre part (unknown architectures get Hopper's). ``tf32``:
@@ -65,7 +70,7 @@ def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
     if not arch.startswith("sm_") or not digits:
         raise ValueError(f"unknown GPU architecture {arch!r}; expected e.g. 'sm_80' or 'sm_90'")
     base = sm90_target()
-    shared = _SHARED.get(int(digits), 48 * 1024)
+    shared = max_shared_bytes(int(digits))
     return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=shared,
                       vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True, tf32=tf32)
 

@@ -399,9 +399,12 @@ def test_parse_resources():
 
 
 def test_codegen_errors():
-    with pytest.raises(CodegenError, match="static shared memory"):
+    with pytest.raises(CodegenError, match="232448 bytes a block may use on sm_90"):
         emit_ptx([Kernel("big", (Buffer("o", F32, 1, role="out"),), (1, 1, 1), (32, 1, 1), (),
-                         shared=(Buffer("s", F32, 13000, "shared"),))])
+                         shared=(Buffer("s", F32, 60000, "shared"),))])
+    with pytest.raises(CodegenError, match="101376 bytes a block may use on sm_86"):
+        emit_ptx([Kernel("big", (Buffer("o", F32, 1, role="out"),), (1, 1, 1), (32, 1, 1), (),
+                         shared=(Buffer("s", F32, 26000, "shared"),))], arch="sm_86")
     with pytest.raises(CodegenError, match="not a valid PTX identifier"):
         emit_ptx([Kernel("a.b", (), (1, 1, 1), (1, 1, 1), ())])
     with pytest.raises(CodegenError, match="architecture"):
@@ -459,3 +462,19 @@ def test_scheduled_mlp_for_sm90():
     res = check(kernels, "sm_90", {})
     assert set(res.kernels) == set(program.kernels)
     assert all(r.spill_stores == 0 for r in res.kernels.values())
+
+
+def test_shared_memory_past_48_kib_is_one_dynamic_array():
+    from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+
+    small = Kernel("small", (Buffer("o", F32, 1, role="out"),), (1, 1, 1), (32, 1, 1), (),
+                   shared=(Buffer("s", F32, 1000, "shared"),))
+    big = Kernel("big", (Buffer("o", F32, 1, role="out"),), (1, 1, 1), (32, 1, 1), (),
+                 shared=(Buffer("s", F32, 13000, "shared"), Buffer("t", DType.f16, 3, "shared")))
+    assert dynamic_shared_bytes(small) == 0
+    assert dynamic_shared_bytes(big) == 52000 + 16  # each buffer 16-byte aligned
+    from sextant.codegen.llvm_nvptx import emit_llvm
+
+    text = str(emit_llvm([small, big]))
+    assert re.search(r'@"?big_dynamic_shared"? = external addrspace\(3\) global \[0 x i8\], align 16', text), text
+    assert "small_dynamic_shared" not in text and "small.s" in text  # under 48 KiB: a static array
