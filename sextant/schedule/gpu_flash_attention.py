@@ -8,7 +8,10 @@ The mapping (one thread block of 4 warps per ``BR = 64`` query rows of one batch
   (``BC × D``, rows contiguous along the head dim): exactly ``mma``'s "col" B operand for
   ``S = Q·Kᵀ``, read by plain ``ldmatrix``; V is staged ``BC × Dv`` and read by
   ``ldmatrix.trans``, as the GEMM reads a row-major B. Rows are padded by 8 elements (an odd
-  number of 16-byte groups per row): every ldmatrix is conflict-free.
+  number of 16-byte groups per row): every ldmatrix is conflict-free. Both are **double
+  buffered**: tile ``t + 1`` is copied (``cp.async``) into one half while tile ``t`` is multiplied
+  from the other — one copy group per tile (empty past the last) so the wait count is static;
+  Q is staged through the second K buffer before the loop, with the first tile in flight.
 * **The softmax is online, in registers.** A warp's ``16 × BC`` scores are its ``mma``
   accumulators (C layout: lane ``l`` holds rows ``l/4`` and ``l/4 + 8``); the fused logit ops
   (scale, causal/boolean/additive masks, casts) run on each accumulator element at its
@@ -68,6 +71,7 @@ from sextant.schedule.views import chunked
 Chunk = Callable[[Expr, Expr], tuple[str, Expr]]  # (row, col) -> (buffer, flat index) of a 16-byte chunk
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
 BR = 64  # query rows per block (16 per warp)
+ZERO = c(0)  # a default offset
 
 
 def kv_tile_keys(head: int) -> int:
@@ -122,7 +126,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     e, params, _ = setup_kernel(group, stored)
     grid, (bq, bz, _) = _grid(e, (-(-n_q // BR), math.prod(batch), 1))
     k_stride, v_stride = d + PAD, dv + PAD
-    shared = [Buffer("Ks", dt, max(BR, bc) * k_stride, "shared"), Buffer("Vs", dt, bc * v_stride, "shared")]
+    k_size, v_size = max(BR, bc) * k_stride, bc * v_stride  # one of the two buffers of each
+    shared = [Buffer("Ks", dt, 2 * k_size, "shared"), Buffer("Vs", dt, 2 * v_size, "shared")]
     n_s, n_o = bc // 8, dv // 8  # 16x8 accumulator tiles of S and of O per warp
     local = (Buffer("fq", dt, d // 16 * MMA.a_elems, "local"), Buffer("fb", dt, 2 * MMA.b_elems, "local"),
              Buffer("sacc", acc_t, n_s * MMA.c_elems, "local"), Buffer("fp", dt, n_s * MMA.c_elems, "local"),
@@ -143,7 +148,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         return chunked(x, e.buffers, at(x, bz, c(0), c(0))[:-2], row_axis, col_axis, exact_from=dt)
 
     def stage(buf: str, rows: int, cols: int, stride: int, row0: Expr, row_lim: int,
-              element: Callable[[Expr, Expr], Expr], chunk: Chunk | None = None) -> None:
+              element: Callable[[Expr, Expr], Expr], chunk: Chunk | None = None, base: Expr = ZERO) -> None:
         """``buf[r·stride + col] = element(row0 + r, col)``, zero for rows past ``row_lim``: by
         ``cp.async`` in 16-byte chunks when ``chunk`` gives their source (8 consecutive lanes write
         8 consecutive chunks of a row, or one chunk column of 8 rows when rows are shorter — the
@@ -165,28 +170,44 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 gr = e.bind(iadd(row0, r), "gr")
                 guard = _bool("lt", gr, c(row_lim)) if guard_rows else None
                 src, index = chunk(e.bind(imin(gr, c(row_lim - 1)), "gc") if guard_rows else gr, col)
-                copy = CpAsync(buf, iadd(imul(r, stride), col), src, index, per, guard)
+                copy = CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), src, index, per, guard)
                 e.emit(If(_bool("lt", el, c(count)), (copy,)) if count % threads else copy)
             return
         for p in range(rows * cols // threads):
             el = iadd(t, c(p * threads))
             r, col = e.bind(idiv(el, cols), "r"), e.bind(imod(el, cols), "cc")
             gr = e.bind(iadd(row0, r), "gr")
-            slot = iadd(imul(r, stride), col)
+            slot = iadd(base, iadd(imul(r, stride), col))
             guard = _bool("lt", gr, c(row_lim)) if guard_rows else None
             _guarded(e, guard, lambda slot=slot, gr=gr, col=col: e.emit(Store(buf, slot, element(gr, col))),
                      lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
 
     q_chunk, k_chunk, v_chunk = chunks(q, -2, -1), chunks(kt, -1, -2), chunks(v, -2, -1)
 
-    # Q: staged through Ks (free until the first K tile), then held as A fragments
-    stage("Ks", BR, d, k_stride, q0, n_q, lambda r, col: half(q, at(q, bz, r, col)), q_chunk)
+    def load_tile(j0: Expr, ragged: bool, buf: Expr) -> None:
+        """Start copying the K and V tile of keys from ``j0`` into buffer ``buf`` (0 or 1) of Ks/Vs."""
+        lim = n_kv if ragged else bc
+        stage("Ks", bc, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)), k_chunk,
+              imul(buf, k_size))
+        stage("Vs", bc, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)), v_chunk,
+              imul(buf, v_size))
+
+    full = n_kv // bc
+    # causal: the block's queries end at q0 + BR, so tiles from there on are masked entirely
+    # (BR is a multiple of bc, so the bound is a whole tile)
+    reach = iadd(q0, c(BR)) if att.causal else None
+    # Q: staged through Ks's second buffer (free until the second K tile), then held as A fragments;
+    # the first K/V tile is in flight meanwhile
+    stage("Ks", BR, d, k_stride, q0, n_q, lambda r, col: half(q, at(q, bz, r, col)), q_chunk, c(k_size))
     e.emit(CpAsyncCommit())
-    e.emit(CpAsyncWait(0))
+    load_tile(c(0), full == 0, c(0))
+    e.emit(CpAsyncCommit())
+    e.emit(CpAsyncWait(1))
     e.emit(Barrier())
     a_row, a_col = iadd(wrow, imod(lane, 16)), imul(idiv(lane, 16), 8)
     for ks in range(d // 16):
-        e.emit(LdMatrix("fq", c(ks * MMA.a_elems), "Ks", iadd(imul(a_row, k_stride), iadd(a_col, c(ks * 16))), 4))
+        e.emit(LdMatrix("fq", c(ks * MMA.a_elems), "Ks",
+                        iadd(c(k_size), iadd(imul(a_row, k_stride), iadd(a_col, c(ks * 16)))), 4))
     _strided_loop(e, c(0), n_o * MMA.c_elems, 1, lambda u: e.emit(Store("oacc", u, zero)), "u", unroll=True)
     m = [e.var("m", acc_t) for _ in range(2)]  # running max and (lane-partial) sum of rows g, g + 8
     s = [e.var("l", acc_t) for _ in range(2)]
@@ -200,21 +221,14 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     kb_row, kb_col = iadd(imul(idiv(lane, 16), 8), imod(lane, 8)), imul(imod(idiv(lane, 8), 2), 8)
     vb_row, vb_col = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8)), imul(idiv(lane, 16), 8)
 
-    def kv_tile(j0: Expr, ragged: bool) -> None:
-        """One tile of keys from ``j0``; ``ragged``: the last, partial tile (its key checks are
-        kept out of the main loop, where they would cost registers)."""
-        lim = n_kv if ragged else bc
-        e.emit(Barrier())  # every warp is done with the previous tile (and with Q's staging)
-        stage("Ks", bc, d, k_stride, j0, lim, lambda j, col: half(kt, at(kt, bz, col, j)), k_chunk)
-        e.emit(CpAsyncCommit())
-        stage("Vs", bc, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)), v_chunk)
-        e.emit(CpAsyncCommit())
-        e.emit(CpAsyncWait(1))  # K has landed (V may still be in flight while S and the softmax run)
-        e.emit(Barrier())
+    def kv_tile(j0: Expr, ragged: bool, buf: Expr) -> None:
+        """One tile of keys from ``j0``, landed in buffer ``buf``; ``ragged``: the last, partial
+        tile (its key checks are kept out of the main loop, where they would cost registers)."""
+        kbase, vbase = e.bind(imul(buf, k_size), "kbase"), e.bind(imul(buf, v_size), "vbase")
         _strided_loop(e, c(0), n_s * MMA.c_elems, 1, lambda u: e.emit(Store("sacc", u, zero)), "u", unroll=True)
         for ks in range(d // 16):  # S = Q·Kᵀ
             for p in range(n_s // 2):
-                addr = iadd(imul(iadd(kb_row, c(p * 16)), k_stride), iadd(kb_col, c(ks * 16)))
+                addr = iadd(kbase, iadd(imul(iadd(kb_row, c(p * 16)), k_stride), iadd(kb_col, c(ks * 16))))
                 e.emit(LdMatrix("fb", c(0), "Ks", addr, 4))
                 for y in (2 * p, 2 * p + 1):
                     off = c(y * MMA.c_elems)
@@ -251,30 +265,42 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 p_val = e.bind(Unary("exp", Binary("sub", Load("sacc", slot, acc_t), shift[i >> 1], acc_t), acc_t), "p")
                 e.emit(Assign(s[i >> 1], Binary("add", s[i >> 1], p_val, acc_t)))
                 e.emit(Store("fp", slot, Cast(p_val, dt)))
-        e.emit(CpAsyncWait(0))
-        e.emit(Barrier())
         for kk in range(bc // 16):  # O += P·V
             for p in range(n_o // 2):
-                addr = iadd(imul(iadd(vb_row, c(kk * 16)), v_stride), iadd(vb_col, c(p * 16)))
+                addr = iadd(vbase, iadd(imul(iadd(vb_row, c(kk * 16)), v_stride), iadd(vb_col, c(p * 16))))
                 e.emit(LdMatrix("fb", c(0), "Vs", addr, 4, trans=True))
                 for y in (2 * p, 2 * p + 1):
                     off = c(y * MMA.c_elems)
                     e.emit(Mma((16, 8, 16), "oacc", off, "fp", c(kk * MMA.a_elems), "fb",
                                c((y - 2 * p) * MMA.b_elems), "oacc", off))
 
-    full = n_kv // bc
-    # causal: the block's queries end at q0 + BR, so tiles from there on are masked entirely
-    # (BR is a multiple of bc, so the bound is a whole tile)
-    reach = iadd(q0, c(BR)) if att.causal else None
+    # K/V double-buffered: while tile t is multiplied from buffer t % 2, tile t + 1 is copied into
+    # the other (one cp.async group per tile, empty past the last, so the wait count is static)
     if full:
+        stop = e.bind(imin(reach, c(full * bc)), "kend") if reach is not None else c(full * bc)
         j0 = e.var("j0")
         with e.scope() as body:
-            kv_tile(j0, False)
-        stop = imin(reach, c(full * bc)) if reach is not None else c(full * bc)
-        e.emit(For(j0, c(0), e.bind(stop, "kend") if reach is not None else stop, bc, tuple(body)))
+            buf = e.bind(imod(idiv(j0, bc), 2), "buf")
+            nxt = e.bind(iadd(j0, c(bc)), "jn")
+            e.emit(Barrier())  # every warp is done with tile t - 1, whose buffer the copies overwrite
+            with e.scope() as next_full:
+                load_tile(nxt, False, iadd(c(1), imul(buf, -1)))
+            e.emit(If(_bool("lt", nxt, stop), tuple(next_full)))
+            if n_kv % bc:
+                with e.scope() as next_tail:
+                    load_tile(nxt, True, iadd(c(1), imul(buf, -1)))
+                cond = _bool("eq", nxt, c(full * bc))
+                e.emit(If(_and([cond, _bool("lt", nxt, reach)]) if reach is not None else cond, tuple(next_tail)))
+            e.emit(CpAsyncCommit())
+            e.emit(CpAsyncWait(1))  # tile t has landed (t + 1 may still be in flight)
+            e.emit(Barrier())
+            kv_tile(j0, False, buf)
+        e.emit(For(j0, c(0), stop, bc, tuple(body)))
     if n_kv % bc:
         with e.scope() as tail:
-            kv_tile(c(full * bc), True)
+            e.emit(CpAsyncWait(0))  # copied by the last full tile's prefetch (or before the loop)
+            e.emit(Barrier())
+            kv_tile(c(full * bc), True, c(full % 2))
         if reach is not None:
             e.emit(If(_bool("lt", c(full * bc), reach), tuple(tail)))
         else:
