@@ -118,7 +118,10 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
         if resources is not None and launch.kernel in resources:
             r = resources[launch.kernel]
             spill = r.spill_stores + r.spill_loads
-            res = f"  {r.registers} regs  spills {spill} B  smem {_kib(r.shared_bytes)}"
+            from sextant.codegen.llvm_nvptx import dynamic_shared_bytes  # ptxas counts static only
+
+            smem = r.shared_bytes + dynamic_shared_bytes(k)
+            res = f"  {r.registers} regs  spills {spill} B  smem {_kib(smem)}"
             if r.stack_frame:
                 res += f"  stack {r.stack_frame} B"
         mapping = k.meta.get("mapping")

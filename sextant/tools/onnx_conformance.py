@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import re
@@ -274,11 +275,19 @@ class _Worker:
 def _spawn(targets: Sequence[str]) -> _Worker:
     r1, w1 = os.pipe()  # parent → child: folders
     r2, w2 = os.pipe()  # child → parent: results
+    # Objects alive at the fork must never be collected in the child: an onnxruntime session left
+    # in a garbage cycle by earlier work in this process (other tests, under pytest-xdist) had its
+    # destructor run by the child's GC, which waits forever on a thread pool the child does not
+    # have (seen: a worker stuck in pthread_cond_destroy, every case then a timeout). Collect here,
+    # where destruction works, and freeze the rest for the child (the gc module's fork recipe).
+    gc.collect()
+    gc.freeze()
     pid = os.fork()
     if pid == 0:
         os.close(w1)
         os.close(r2)
         _worker(targets, r1, w2)
+    gc.unfreeze()
     os.close(r1)
     os.close(w2)
     return _Worker(pid, w1, r2)

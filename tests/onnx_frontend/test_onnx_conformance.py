@@ -79,3 +79,28 @@ def test_workers_survive_a_parent_that_used_openmp() -> None:
     (x @ x).sum()  # the parent (like a pytest worker that ran other tests) starts the OpenMP pool
     (r,) = oc.run_all(_cases("test_conv_with_autopad_same"), ["reference", "cpu"], jobs=1, timeout=60)
     assert r.status == oc.PASS, r
+
+
+def test_garbage_is_finalised_in_the_parent_not_in_a_forked_worker(tmp_path: Path) -> None:
+    """A finaliser inherited by a worker must not run there (onnxruntime's hung the child waiting
+    for threads it does not have): garbage is collected before the fork, the rest frozen."""
+    import gc
+
+    marker = tmp_path / "finalised"
+
+    class Cycle:
+        def __del__(self) -> None:
+            with open(marker, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
+    gc.disable()  # only _spawn may collect in between
+    try:
+        c = Cycle()
+        c.self = c
+        del c
+        w = oc._spawn(["reference"])
+        assert marker.read_text().split() == [str(os.getpid())]  # collected here, before the fork
+        assert oc._retire(w) == 0
+    finally:
+        gc.enable()
+    assert marker.read_text().split() == [str(os.getpid())]
