@@ -332,8 +332,12 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
 
             _guarded(e, _and([_bool("lt", rows[h], c(n_q))]) if n_q % BR else None, store)
     _check_shared(name, shared, target)
+    # .maxnreg 128 for heads up to 64: left to itself ptxas held some of these kernels (a ragged
+    # last tile after a one-tile loop) to 96 registers and spilled; 128 still gives 4 blocks (16
+    # warps) per SM. Larger heads need more (O and Q fragments): ptxas chooses.
     meta = {"mapping": "flash-attention-tensor-core", "tile": (BR, bc), "warps": WARPS,
-            "mma": "m16n8k16." + dt.value, "head": (d, dv)}
+            "mma": "m16n8k16." + dt.value, "head": (d, dv),
+            "max_registers": 128 if max(d, dv) <= 64 else None}
     return Kernel(name, tuple(params), grid, (32 * WARPS, 1, 1), tuple(e.stmts), shared=tuple(shared),
                   local=local, meta=meta)
 
