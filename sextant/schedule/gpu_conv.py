@@ -100,9 +100,8 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     bm_, bn_ = (tc_tile.bm, tc_tile.bn) if tc_tile else (MM_TILE_M, MM_TILE_N)
     grid, (bn, bm, g) = _grid(e, (-(-positions // bn_), -(-cout_g // bm_), groups))
     if tc_tile is not None:
-        meta = {"mapping": "tensor-core-implicit-gemm", "tile": (tc_tile.bm, tc_tile.bn, tc_tile.bk),
-                "warps": (tc_tile.wm, tc_tile.wn), "gemm": (cout_g, positions, k), "groups": groups,
-                "mma": "m16n8k16." + cv.dtype.value}
+        meta = {"mapping": "tensor-core-implicit-gemm", **tc_tile.meta(), "gemm": (cout_g, positions, k),
+                "groups": groups, "mma": "m16n8k16." + cv.dtype.value}
     else:
         meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
                 "micro_tile": (MM_MICRO_M, MM_MICRO_N), "gemm": (cout_g, positions, k), "groups": groups}

@@ -96,6 +96,12 @@ class TcTile:
     def shared_elems(self) -> tuple[int, int]:
         return self.bm * (self.bk + PAD), self.bk * (self.bn + PAD)
 
+    def meta(self) -> dict:
+        """What a kernel built on this tile records: its shape, and ``max_registers`` (ptxas's
+        ``.maxnreg``), so the occupancy the cost model assumes is what ptxas builds."""
+        return {"tile": (self.bm, self.bn, self.bk), "warps": (self.wm, self.wn),
+                "warp_tile": (self.bm // self.wm, self.bn // self.wn), "max_registers": self.registers}
+
 
 # 128×128 (8 warps) and 128×64 (4 warps) give each warp a 64×32 tile (16 MMAs per 6 ldmatrix a
 # k-step); 64×64 for problems with too few larger tiles to occupy the GPU's SMs. 128×128 walks K
@@ -457,8 +463,7 @@ def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc
 
     shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue, out_dtype=mm.dtype)
     _check_shared(name, shared, target)
-    meta = {"mapping": mapping, "tile": (tile.bm, tile.bn, tile.bk), "warps": (tile.wm, tile.wn),
-            "warp_tile": (tile.bm // tile.wm, tile.bn // tile.wn), "mma": mma, "max_registers": tile.registers}
+    meta = {"mapping": mapping, **tile.meta(), "mma": mma}
     return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
                   local=local, meta=meta)
 

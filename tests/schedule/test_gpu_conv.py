@@ -142,6 +142,9 @@ def test_half_precision_conv_with_residual(dtype: torch.dtype) -> None:
     (kernel,) = compiled.stages["program"].kernels.values()
     _check_implicit_gemm(kernel, dtype)
     _check_ptxas(compiled)
+    # the tile's register figure is ptxas's budget, as for the GEMM (the cost model's occupancy)
+    assert f".maxnreg {kernel.meta['max_registers']}" in compiled.stages["ptx"].ptx
+    assert compiled.stages["ptxas"].kernels[kernel.name].registers <= kernel.meta["max_registers"]
 
 
 def test_half_accumulates_in_f32() -> None:
