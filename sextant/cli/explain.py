@@ -118,10 +118,9 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
         if resources is not None and launch.kernel in resources:
             r = resources[launch.kernel]
             spill = r.spill_stores + r.spill_loads
-            from sextant.codegen.llvm_nvptx import dynamic_shared_bytes  # ptxas counts static only
+            from sextant.codegen.llvm_nvptx import block_shared_bytes
 
-            smem = r.shared_bytes + dynamic_shared_bytes(k)
-            res = f"  {r.registers} regs  spills {spill} B  smem {_kib(smem)}"
+            res = f"  {r.registers} regs  spills {spill} B  smem {_kib(block_shared_bytes(k, r.shared_bytes))}"
             if r.stack_frame:
                 res += f"  stack {r.stack_frame} B"
         mapping = k.meta.get("mapping")

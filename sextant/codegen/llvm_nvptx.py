@@ -236,6 +236,18 @@ def dynamic_shared_bytes(k: Kernel) -> int:
     return _shared_offsets(k)[1] if _shared_bytes(k) > MAX_STATIC_SHARED else 0
 
 
+def block_shared_bytes(k: Kernel, ptxas_static: int) -> int:
+    """The shared memory one block of ``k`` uses: ptxas's figure counts only the static
+    declarations, so the dynamic array (a kernel past 48 KiB) is added to it."""
+    return ptxas_static + dynamic_shared_bytes(k)
+
+
+def _sm(arch: str) -> int:
+    """``sm_90a`` → 90; 0 for a name the lowering cannot read (ptx_features rejects it)."""
+    m = _ARCH.match(arch)
+    return int(m.group(1)) if m else 0
+
+
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _Lowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel, arch: str = DEFAULT_ARCH):
@@ -253,7 +265,8 @@ class _Lowering(LoweringBase):
             md.add(module.add_metadata([self.fn, ir.MetaDataString(module, "maxnreg"),
                                         ir.Constant(I32, int(kernel.meta["max_registers"]))]))
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
-        self.math = ScalarMath(module, self.b, nvptx_math(int(_ARCH.match(arch).group(1)) if _ARCH.match(arch) else 0))
+        self.sm = _sm(arch)
+        self.math = ScalarMath(module, self.b, nvptx_math(self.sm))
         self.buffers: dict[str, tuple[Buffer, ir.Value]] = {}
         self.slots: dict[str, ir.Value] = {}
         self.var_types: dict[str, DType] = {}
@@ -273,20 +286,13 @@ class _Lowering(LoweringBase):
             arg.name = p.name
             arg.attributes.align = PARAM_ALIGN
             self.buffers[p.name] = (p, arg)
-        sm = int(_ARCH.match(self.arch).group(1)) if _ARCH.match(self.arch) else 90
-        if _shared_bytes(k) > max_shared_bytes(sm):
-            raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {max_shared_bytes(sm)} bytes a "
-                             f"block may use on {self.arch} (48 KiB static, the rest dynamic)")
+        if _shared_bytes(k) > max_shared_bytes(self.sm):
+            raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {max_shared_bytes(self.sm)} bytes "
+                             f"a block may use on {self.arch} (48 KiB static, the rest dynamic)")
         if dynamic_shared_bytes(k):
             self._dynamic_shared(k)
-        for s in k.shared if not dynamic_shared_bytes(k) else ():
-            ty = ir.ArrayType(mem_type(s.dtype), s.size)
-            g = ir.GlobalVariable(self.module, ty, f"{k.name}.{s.name}", addrspace=SHARED)
-            g.linkage = "internal"
-            g.initializer = ir.Constant(ty, ir.Undefined)  # .shared memory cannot be initialised
-            g.align = 16
-            g.type = ir.PointerType(addrspace=SHARED)
-            self.buffers[s.name] = (s, g)
+        else:
+            self._static_shared(k)
         for loc in k.local:
             a = self.b.alloca(ir.ArrayType(mem_type(loc.dtype), loc.size), name=f"local.{loc.name}")
             a.align = 16
@@ -315,6 +321,17 @@ class _Lowering(LoweringBase):
         return buf, self.b.gep(base, [index], inbounds=True, source_etype=mem_type(buf.dtype))
 
     # -- structure ---------------------------------------------------------------------------
+    def _static_shared(self, k: Kernel) -> None:
+        """One internal ``.shared`` array per buffer (up to 48 KiB in all)."""
+        for s in k.shared:
+            ty = ir.ArrayType(mem_type(s.dtype), s.size)
+            g = ir.GlobalVariable(self.module, ty, f"{k.name}.{s.name}", addrspace=SHARED)
+            g.linkage = "internal"
+            g.initializer = ir.Constant(ty, ir.Undefined)  # .shared memory cannot be initialised
+            g.align = 16
+            g.type = ir.PointerType(addrspace=SHARED)
+            self.buffers[s.name] = (s, g)
+
     def _dynamic_shared(self, k: Kernel) -> None:
         """Shared buffers as slices of the kernel's ``extern .shared`` array (over 48 KiB)."""
         arr = ir.GlobalVariable(self.module, ir.ArrayType(I8, 0), f"{k.name}_dynamic_shared", addrspace=SHARED)

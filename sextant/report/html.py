@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sextant.codegen.llvm_nvptx import ptx_entries
+from sextant.codegen.llvm_nvptx import block_shared_bytes, ptx_entries
 from sextant.graph.ir import Node
 from sextant.graph.printer import print_graph
 from sextant.kernel.printer import print_kernel
@@ -211,7 +211,7 @@ class _Report:
         if res is not None:
             head += _table(("ptxas " + esc(self.ptxas.arch), "registers", "shared memory", "spill stores",
                             "spill loads", "stack frame", "barriers"),
-                           [("", res.registers, f"{res.shared_bytes} B", f"{res.spill_stores} B",
+                           [("", res.registers, f"{block_shared_bytes(k, res.shared_bytes)} B", f"{res.spill_stores} B",
                              f"{res.spill_loads} B", f"{res.stack_frame} B", res.barriers)], num=(1, 2, 3, 4, 5, 6))
         counted = self.counters.get(name)
         if counted is not None:

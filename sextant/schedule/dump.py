@@ -36,10 +36,9 @@ def describe_program(p: Program) -> str:
         if (mapping := k.meta.get("mapping")) is not None or launch.kernel in p.resources:
             extra = [f"mapping {mapping}"] if mapping else []
             if (r := p.resources.get(launch.kernel)) is not None:
-                from sextant.codegen.llvm_nvptx import dynamic_shared_bytes  # ptxas counts static only
+                from sextant.codegen.llvm_nvptx import block_shared_bytes
 
-                shared = r.shared_bytes + dynamic_shared_bytes(k)
-                extra.append(f"ptxas: {r.registers} registers, {shared} B shared, "
+                extra.append(f"ptxas: {r.registers} registers, {block_shared_bytes(k, r.shared_bytes)} B shared, "
                              f"spills {r.spill_stores} B stored / {r.spill_loads} B loaded")
             lines.append(f"        {'; '.join(extra)}")
         lines.append(f"        buffers ({args})")
