@@ -147,7 +147,6 @@ def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = No
 def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: StageHook) -> CompiledModule:
     from sextant.codegen.llvm_cpu import compile_kernels
     from sextant.codegen.llvm_nvptx import emit_ptx
-    from sextant.codegen.ptxas import assemble
     from sextant.runtime.program_runner import ProgramRunner
     from sextant.schedule.program import schedule
     from sextant.schedule.target import gpu_target
@@ -158,7 +157,8 @@ def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: Sta
     with step("nvptx"):
         ptx = emit_ptx(kernels, arch=arch)
     with step("ptxas"):
-        stages.update(program=program, ptx=ptx, ptxas=assemble(ptx.ptx, arch))
+        kernels, ptx, assembled = _assemble(program, kernels, ptx)
+        stages.update(program=program, ptx=ptx, ptxas=assembled)
     program.resources = dict(stages["ptxas"].kernels)
     with step("llvm-cpu"):
         module = compile_kernels(kernels)
@@ -166,11 +166,23 @@ def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: Sta
     return CompiledModule(graph, "cuda-sim", ProgramRunner(program, module.launch), stages=stages)
 
 
+def _assemble(program: Any, kernels: list, ptx: Any) -> tuple[list, Any, Any]:
+    """ptxas on ``ptx``; a kernel its register budget makes spill is re-emitted without it (see
+    codegen/register_budget.py), in ``program.kernels`` too, with a note in ``program.rewrites``."""
+    from sextant.codegen.ptxas import assemble
+    from sextant.codegen.register_budget import relax_spilling
+
+    kernels, ptx, assembled, notes = relax_spilling(kernels, ptx, assemble(ptx.ptx, ptx.arch))
+    program.kernels.update((k.name, k) for k in kernels)
+    program.rewrites.extend(notes)
+    return kernels, ptx, assembled
+
+
 def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: StageHook) -> CompiledModule:
     """As cuda-sim up to the PTX; then ptxas's cubin is loaded when ptxas is installed (else the
     driver JIT-compiles the PTX) and the kernels run on the GPU (see sextant/runtime/cuda.py)."""
     from sextant.codegen.llvm_nvptx import emit_ptx
-    from sextant.codegen.ptxas import PtxasError, assemble
+    from sextant.codegen.ptxas import PtxasError
     from sextant.runtime.cuda import device_arch, load_runner, require_cuda
     from sextant.schedule.program import schedule
     from sextant.schedule.target import gpu_target
@@ -185,7 +197,8 @@ def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: 
     cubin = None  # without ptxas (or one too old for this GPU) the driver JIT-compiles the PTX
     try:
         with step("ptxas"):
-            stages["ptxas"] = assemble(ptx.ptx, arch)
+            _, ptx, stages["ptxas"] = _assemble(program, list(program.kernels.values()), ptx)
+            stages["ptx"] = ptx
         cubin = stages["ptxas"].cubin
         program.resources = dict(stages["ptxas"].kernels)
     except PtxasError as e:
