@@ -15,20 +15,24 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from sextant.errors import ExportError, UnsupportedOp, UnsupportedOpError
 from sextant.frontend.lowerings import KEPT_WHOLE, LOWERINGS, LoweringContext, Unsupported
 from sextant.frontend.source import module_path, short_loc, user_frame
+from sextant.frontend.symbols import TorchSymbols, declared_names
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, InputLeaf, Node
+from sextant.graph.symbolic import SymbolicShapeError
 from sextant.graph.verifier import verify
 
 
-def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None) -> ExportedProgram:
-    """torch.export + Core ATen decompositions, with torch's failures explained."""
+def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None,
+           dynamic_shapes: Any = None) -> ExportedProgram:
+    """torch.export + Core ATen decompositions, with torch's failures explained. ``dynamic_shapes``
+    is torch.export's (``{"ids": {1: Dim("seq", min=1, max=512)}}``): those sizes stay symbolic."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"sextant.capture expects an nn.Module, got {type(module).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
     try:
-        ep = torch.export.export(module, args, dict(kwargs or {}), strict=False)
+        ep = torch.export.export(module, args, dict(kwargs or {}), strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # torch raises many types here; all mean "could not trace"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(
@@ -85,8 +89,9 @@ def _check_dtype(node: torch.fx.Node, val: Any) -> list[UnsupportedOp]:
     return bad
 
 
-def translate(ep: ExportedProgram, name: str = "main") -> Graph:
-    """Translate an exported (decomposed) program into a verified graph."""
+def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, str] | None = None) -> Graph:
+    """Translate an exported (decomposed) program into a verified graph; symbolic sizes become
+    ``SymDim``s, named after their declared ``Dim`` where ``dim_names`` (torch's symbol → name) says."""
     problems = find_unsupported(ep)
     for node in ep.graph.nodes:
         if node.op == "placeholder" or (node.op == "call_function" and node.target in LOWERINGS):
@@ -95,6 +100,7 @@ def translate(ep: ExportedProgram, name: str = "main") -> Graph:
         raise UnsupportedOpError(problems)
 
     b = GraphBuilder(name)
+    syms = TorchSymbols(ep, dim_names)
     env: dict[str, Any] = {}
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
@@ -108,7 +114,7 @@ def translate(ep: ExportedProgram, name: str = "main") -> Graph:
                 env[ph.name] = value  # a specialised non-tensor input (int, float, bool, None)
                 leaves.append(InputLeaf(spec.arg.name, None, value))
                 continue
-            env[ph.name] = b.input(spec.arg.name, tuple(val.shape), DType.from_torch(val.dtype))
+            env[ph.name] = b.input(spec.arg.name, syms.shape(val.shape), DType.from_torch(val.dtype))
             leaves.append(InputLeaf(spec.arg.name, len(b.inputs) - 1))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = state[spec.target]
@@ -127,10 +133,12 @@ def translate(ep: ExportedProgram, name: str = "main") -> Graph:
             continue
         b.loc = short_loc(node)
         try:
-            env[node.name] = LOWERINGS[node.target](LoweringContext(b, node), *args, **kwargs)
+            env[node.name] = LOWERINGS[node.target](LoweringContext(b, node, syms.dim), *args, **kwargs)
         except Unsupported as e:
             raise UnsupportedOpError([_unsupported(node, str(e))]) from None
-        _check_result(node, env[node.name])
+        except SymbolicShapeError as e:
+            raise UnsupportedOpError([_unsupported(node, f"not with symbolic sizes yet: {e}")]) from None
+        _check_result(node, env[node.name], syms)
 
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     results = out_node.args[0]
@@ -149,13 +157,13 @@ def translate(ep: ExportedProgram, name: str = "main") -> Graph:
     return graph
 
 
-def _check_result(node: torch.fx.Node, value: Any) -> None:
+def _check_result(node: torch.fx.Node, value: Any, syms: TorchSymbols) -> None:
     """A lowering must produce exactly the shapes and dtypes torch recorded (catches lowering bugs early)."""
     val = node.meta.get("val")
     pairs = list(zip(value, val)) if isinstance(value, (tuple, list)) else [(value, val)]
     for got, want in pairs:
         if isinstance(got, Node) and isinstance(want, torch.Tensor):
-            exp = (tuple(int(d) for d in want.shape), DType.from_torch(want.dtype))
+            exp = (syms.shape(want.shape), DType.from_torch(want.dtype))
             if (got.shape, got.dtype) != exp:
                 raise AssertionError(
                     f"lowering of {_op_name(node.target)} produced {got.type}, torch says "
@@ -164,10 +172,12 @@ def _check_result(node: torch.fx.Node, value: Any) -> None:
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
-            name: str | None = None) -> Graph:
-    """Capture ``module(*args, **kwargs)`` as sextant graph IR (parameters become named constants)."""
-    ep = export(module, args, kwargs)
-    return translate(ep, name or _graph_name(module))
+            name: str | None = None, dynamic_shapes: Any = None) -> Graph:
+    """Capture ``module(*args, **kwargs)`` as sextant graph IR (parameters become named constants);
+    with ``dynamic_shapes`` (torch.export's), the sizes it names are symbolic in the graph."""
+    ep = export(module, args, kwargs, dynamic_shapes)
+    names = declared_names(module, args if isinstance(args, tuple) else (args,), kwargs, dynamic_shapes, ep)
+    return translate(ep, name or _graph_name(module), names)
 
 
 def _graph_name(module: torch.nn.Module) -> str:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sextant.graph.dtypes import DType
+from sextant.graph.symbolic import Dim, is_dim
 
-Shape = tuple[int, ...]
+Shape = tuple[Dim, ...]  # ints, or symbolic sizes (sextant/graph/symbolic.py)
 
 
 @dataclass(frozen=True, slots=True)
 class TensorType:
-    """Static shape and element type of a value."""
+    """Shape and element type of a value; a dimension is an ``int`` or a :class:`SymDim`."""
 
     shape: Shape
     dtype: DType
@@ -77,8 +78,8 @@ def _check(cond: bool, msg: str) -> None:
         raise IRTypeError(msg)
 
 
-def _ints(v: Any, what: str) -> tuple[int, ...]:
-    _check(isinstance(v, tuple) and all(isinstance(i, int) for i in v), f"{what} must be a tuple of ints, got {v!r}")
+def _ints(v: Any, what: str) -> tuple[Dim, ...]:
+    _check(isinstance(v, tuple) and all(is_dim(i) for i in v), f"{what} must be a tuple of sizes, got {v!r}")
     return v
 
 

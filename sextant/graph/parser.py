@@ -15,9 +15,11 @@ import torch
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.ops import SOURCES, IRTypeError, TensorType
+from sextant.graph.symbolic import Bounds, SymbolicShapeError, parse_dim
 
-_TYPE = r"(?:f32|f16|bf16|i32|i64|bool)\[[0-9,]*\]"
-_HEADER = re.compile(r"graph @(?P<name>[\w.]+)\((?P<args>.*)\) \{$")
+_TYPE = r"(?:f32|f16|bf16|i32|i64|bool)\[[^\]]*\]"
+_HEADER = re.compile(r"graph @(?P<name>[\w.]+)\((?P<args>.*?)\)(?: where (?P<syms>[^{]*))? \{$")
+_SYM = re.compile(r"\s*(?P<name>[A-Za-z_]\w*) in \[(?P<lo>\d+), (?P<hi>\d+)\]\s*")
 _NODE = re.compile(
     r"(?P<res>%[\w.]+) = (?P<op>\w+)\((?P<ops>[^)]*)\)(?: \{(?P<attrs>.*)\})? : (?P<type>" + _TYPE + r")"
     r"(?:\s+loc\((?P<loc>\"(?:[^\"\\]|\\.)*\")\))?$"
@@ -29,10 +31,21 @@ class ParseError(ValueError):
     """The text is not valid graph IR; the message names the line."""
 
 
-def parse_type(text: str) -> TensorType:
+def parse_type(text: str, bounds: Bounds = ()) -> TensorType:
     dt, _, dims = text.partition("[")
     dims = dims.rstrip("]")
-    return TensorType(tuple(int(d) for d in dims.split(",") if d), DType(dt))
+    return TensorType(tuple(parse_dim(d, bounds) for d in dims.split(",") if d), DType(dt))
+
+
+def parse_symbols(text: str | None) -> Bounds:
+    """``batch in [1, 8], seq in [1, 512]`` → the symbols' ranges."""
+    out = []
+    for part in _split_top(text or ""):
+        m = _SYM.fullmatch(part)
+        if not m:
+            raise ParseError(f"cannot read the symbol declaration {part!r} (expected 'NAME in [MIN, MAX]')")
+        out.append((m["name"], int(m["lo"]), int(m["hi"])))
+    return tuple(sorted(out))
 
 
 def _split_top(text: str) -> list[str]:
@@ -64,10 +77,10 @@ def _split_top(text: str) -> list[str]:
     return parts
 
 
-def parse_attr(text: str) -> object:
+def parse_attr(text: str, bounds: Bounds = ()) -> object:
     text = text.strip()
     if text.startswith("["):
-        return tuple(parse_attr(x) for x in _split_top(text[1:-1]))
+        return tuple(parse_attr(x, bounds) for x in _split_top(text[1:-1]))
     if text.startswith('"'):
         return json.loads(text)
     if text in ("true", "false"):
@@ -76,6 +89,8 @@ def parse_attr(text: str) -> object:
         return DType(text)
     if re.fullmatch(r"-?\d+", text):
         return int(text)
+    if bounds and re.search(r"[A-Za-z_]", text) and text not in ("nan", "inf", "-inf"):
+        return parse_dim(text, bounds)
     return float(text)
 
 
@@ -86,12 +101,16 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
     m = _HEADER.match(lines[0])
     if not m:
         raise ParseError(f"line 1: expected 'graph @name(...) {{', got {lines[0]!r}")
+    try:
+        bounds = parse_symbols(m["syms"])
+    except (ParseError, SymbolicShapeError) as e:
+        raise ParseError(f"line 1: {e}") from None
     env: dict[str, Node] = {}
     nodes: list[Node] = []
     inputs: list[Node] = []
     for i, arg in enumerate(_split_top(m["args"])):
         name, _, ty = arg.partition(": ")
-        t = parse_type(ty)
+        t = _type_at(ty, bounds, 1)
         node = make_node("input", (), {"name": name.lstrip("%"), "index": i, "shape": t.shape, "dtype": t.dtype})
         env[name] = node
         nodes.append(node)
@@ -112,8 +131,11 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
         attrs: dict[str, object] = {}
         for item in _split_top(nm["attrs"] or ""):
             k, _, v = item.partition("=")
-            attrs[k.strip()] = parse_attr(v)
-        t = parse_type(nm["type"])
+            try:
+                attrs[k.strip()] = parse_attr(v, bounds)
+            except SymbolicShapeError as e:
+                raise ParseError(f"line {lineno}: {e}") from None
+        t = _type_at(nm["type"], bounds, lineno)
         if op in SOURCES:
             attrs.update(shape=t.shape, dtype=t.dtype)
         if op == "cast":
@@ -136,6 +158,13 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
     if outputs is None:
         raise ParseError("missing 'return (...)'")
     return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors)
+
+
+def _type_at(text: str, bounds: Bounds, lineno: int) -> TensorType:
+    try:
+        return parse_type(text, bounds)
+    except SymbolicShapeError as e:
+        raise ParseError(f"line {lineno}: {e}") from None
 
 
 def _lookup(env: dict[str, Node], name: str, lineno: int) -> Node:

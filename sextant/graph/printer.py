@@ -7,6 +7,9 @@
       return (%2)
     }
 
+A graph with symbolic sizes (``sextant/graph/symbolic.py``) declares their ranges in its header:
+``graph @lm(%ids: i64[batch,seq]) where batch in [1, 8], seq in [1, 512] {``.
+
 Attributes that the result type already states (``shape``/``dtype`` of sources and casts,
 the ``name``/``index`` of inputs) are not printed; :mod:`sextant.graph.parser` restores them.
 """
@@ -20,6 +23,7 @@ import re
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import SOURCES
+from sextant.graph.symbolic import describe, symbols_of
 
 _IMPLIED = {op: ("shape", "dtype") for op in SOURCES} | {"cast": ("dtype",)}
 _IMPLIED["input"] = ("shape", "dtype", "name", "index")
@@ -62,7 +66,9 @@ def print_graph(graph: Graph, *, show_loc: bool = True) -> str:
     for node, name in zip(graph.inputs, input_names(graph)):
         names[id(node)] = "%" + name
     header = ", ".join(f"{names[id(n)]}: {n.type}" for n in graph.inputs)
-    lines = [f"graph @{graph.name}({header}) {{"]
+    syms = graph_symbols(graph)
+    where = f" where {describe(syms)}" if syms else ""
+    lines = [f"graph @{graph.name}({header}){where} {{"]
     counter = 0
     for node in graph.nodes:
         if node.op == "input":
@@ -74,6 +80,11 @@ def print_graph(graph: Graph, *, show_loc: bool = True) -> str:
     lines.append(f"  return ({outs})")
     lines.append("}")
     return "\n".join(lines)
+
+
+def graph_symbols(graph: Graph) -> tuple[tuple[str, int, int], ...]:
+    """Every symbol a graph's types and attributes mention, with its range, sorted by name."""
+    return symbols_of([n.type.shape for n in graph.nodes] + [v for n in graph.nodes for _, v in n.attrs])
 
 
 def format_node(node: Node, names: dict[int, str], *, show_loc: bool = True) -> str:

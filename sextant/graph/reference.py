@@ -149,9 +149,14 @@ def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = No
 
 
 def run_graph(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run ``graph`` on flat input tensors; returns the flat outputs (contiguous CPU tensors)."""
+    """Run ``graph`` on flat input tensors; returns the flat outputs (contiguous CPU tensors). A
+    graph with symbolic sizes runs at the sizes its inputs give (``sextant/graph/bind.py``)."""
     if len(inputs) != len(graph.inputs):
         raise ValueError(f"graph @{graph.name} takes {len(graph.inputs)} inputs, got {len(inputs)}")
+    from sextant.graph.bind import bind, is_symbolic_graph, solve
+
+    if is_symbolic_graph(graph):
+        graph = bind(graph, solve(graph, [tuple(x.shape) for x in inputs]))
     env: dict[int, torch.Tensor] = {}
     for node, value in zip(graph.inputs, inputs):
         env[id(node)] = value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import ALL_OPS, IRTypeError, infer_type
+from sextant.graph.symbolic import SymbolicShapeError
 
 
 class VerificationError(ValueError):
@@ -31,7 +32,7 @@ def verify(graph: Graph, *, where: str = "") -> None:
             t = infer_type(node.op, [i.type for i in node.inputs], node.attr_dict)
             if t != node.type:
                 fail(node, f"stored type {node.type} but its operands give {t}")
-        except IRTypeError as e:
+        except (IRTypeError, SymbolicShapeError) as e:
             fail(node, str(e))
         if node.op == "param":
             tensor = graph.params.get(node.attr("name"))

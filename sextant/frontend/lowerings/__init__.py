@@ -1,6 +1,16 @@
 """ATen → graph-IR lowerings, one module per op family. Importing this package fills the table."""
 
-from sextant.frontend.lowerings import attention, elementwise, movement, nn, reductions, resample, scatter, strided  # noqa: F401
+from sextant.frontend.lowerings import (  # noqa: F401
+    attention,
+    elementwise,
+    movement,
+    nn,
+    reductions,
+    resample,
+    scatter,
+    sizes,
+    strided,
+)
 from sextant.frontend.lowerings.attention import KEPT_WHOLE
 from sextant.frontend.lowerings.registry import LOWERINGS, LoweringContext, Unsupported, lower
 

@@ -51,9 +51,30 @@ def _squeeze(ctx: LoweringContext, x: Node, *dims) -> Node:
 def _slice(ctx: LoweringContext, x: Node, dim: int = 0, start=None, end=None, step: int = 1) -> Node:
     dim = _norm(dim, x.type.rank)
     n = x.shape[dim]
-    s, e, st = slice(start, end, step).indices(n)
-    size = len(range(s, e, st))
+    if isinstance(n, int) and all(isinstance(v, int | None) for v in (start, end)):
+        s, e, st = slice(start, end, step).indices(n)
+        size = len(range(s, e, st))
+    else:  # a symbolic size: the same clamping, decided from the declared ranges
+        s, size, st = _symbolic_slice(n, start, end, step)
     return ctx.b.slice(x, dim, s, size, st)
+
+
+def _symbolic_slice(n, start, end, step: int):
+    """``slice(start, end, step).indices(n)`` and its length for a positive ``step`` where ``n``,
+    ``start`` or ``end`` is symbolic; a clamp the ranges cannot decide raises SymbolicShapeError."""
+    if step <= 0:
+        raise Unsupported("a slice with a non-positive step of a symbolic size")
+
+    def clamp(v, default):
+        if v is None:
+            return default
+        if v < 0:
+            v = v + n
+            return 0 if v < 0 else v
+        return n if v >= n else v
+
+    s, e = clamp(start, 0), clamp(end, n)
+    return s, (0 if e <= s else (e - s + step - 1) // step), step
 
 
 @lower(aten.select.int)

@@ -52,6 +52,7 @@ class LoweringContext:
 
     b: GraphBuilder
     fx_node: torch.fx.Node
+    dim: Callable[[Any], Any] = int  # a recorded size (int or torch.SymInt) as a graph-IR dimension
 
     @property
     def meta(self) -> Any:
@@ -61,9 +62,9 @@ class LoweringContext:
         val = self.meta if index is None else self.meta[index]
         return DType.from_torch(val.dtype)
 
-    def out_shape(self, index: int | None = None) -> tuple[int, ...]:
+    def out_shape(self, index: int | None = None) -> tuple[Any, ...]:
         val = self.meta if index is None else self.meta[index]
-        return tuple(int(d) for d in val.shape)
+        return tuple(self.dim(d) for d in val.shape)
 
     def promote(self, *values: Any) -> DType:
         """torch's type promotion over tensors (nodes) and Python scalars."""

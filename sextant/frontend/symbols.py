@@ -1,0 +1,99 @@
+"""torch.export's symbolic sizes as graph-IR dimensions.
+
+torch.export names the symbols of a graph exported with ``dynamic_shapes`` by hash (``s27``,
+``s77``) and records their ranges in ``range_constraints``. :class:`TorchSymbols` turns each size
+torch recorded (an ``int`` or a ``torch.SymInt`` over those symbols) into an ``int`` or a
+:class:`~sextant.graph.symbolic.SymDim`, renaming each symbol after the ``Dim`` the user declared
+for it where that can be told (``Dim("seq")`` → ``seq``), so the IR reads ``f32[batch,seq,768]``.
+A symbol without a finite upper bound gets ``INDEX_MAX``: sizes index with 32-bit integers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import sympy
+import torch
+
+from sextant.graph.symbolic import Dim, SymbolicShapeError, make_dim
+from sextant.graph.symbolic import _symbol as sextant_symbol
+
+INDEX_MAX = 2**31 - 1
+
+
+class TorchSymbols:
+    def __init__(self, ep: torch.export.ExportedProgram, names: Mapping[str, str] | None = None) -> None:
+        names = dict(names or {})
+        self.rename: dict[sympy.Symbol, sympy.Symbol] = {}
+        self.bounds: dict[str, tuple[str, int, int]] = {}
+        taken: set[str] = set()
+        for sym, vr in ep.range_constraints.items():
+            if not isinstance(sym, sympy.Symbol):
+                continue
+            name = names.get(sym.name, sym.name)
+            if name in taken:
+                name = sym.name
+            taken.add(name)
+            lo, hi = _finite(vr.lower, 0), _finite(vr.upper, INDEX_MAX)
+            self.rename[sym] = sextant_symbol(name)
+            self.bounds[sym.name] = (name, lo, min(hi, INDEX_MAX))
+
+    def dim(self, d: Any) -> Dim:
+        if isinstance(d, int):
+            return d
+        if not isinstance(d, torch.SymInt):
+            raise TypeError(f"expected a size, got {type(d).__name__}")
+        expr = d.node.expr
+        if expr.is_Integer:
+            return int(expr)
+        unknown = [s.name for s in expr.free_symbols if s.name not in self.bounds]
+        if unknown:
+            raise SymbolicShapeError(f"size {expr} mentions {', '.join(unknown)}, which torch.export gave no range")
+        bounds = tuple(sorted(self.bounds[s.name] for s in expr.free_symbols))
+        return make_dim(expr.xreplace({s: self.rename[s] for s in expr.free_symbols}), bounds)
+
+    def shape(self, shape: Any) -> tuple[Dim, ...]:
+        return tuple(self.dim(d) for d in shape)
+
+
+def _finite(v: Any, default: int) -> int:
+    try:
+        return int(v) if getattr(v, "is_finite", True) is not False else default
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+def declared_names(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None,
+                   dynamic_shapes: Any, ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """torch's symbol name → the name of the ``Dim`` declared for it, for tensor arguments given
+    directly (not nested in lists or dicts); anything else keeps torch's name."""
+    if dynamic_shapes is None:
+        return {}
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **dict(kwargs or {}))
+    except TypeError:
+        return {}
+    specs: list[Any] = []
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        if isinstance(dynamic_shapes, Mapping):
+            spec = dynamic_shapes.get(name)
+        elif isinstance(dynamic_shapes, (tuple, list)) and i < len(dynamic_shapes):
+            spec = dynamic_shapes[i]
+        else:
+            spec = None
+        if isinstance(value, torch.Tensor):
+            specs.append(spec)
+    vals = [n.meta.get("val") for n, s in zip(ep.graph.nodes, ep.graph_signature.input_specs)
+            if n.op == "placeholder" and s.kind.name == "USER_INPUT"]
+    out: dict[str, str] = {}
+    for spec, val in zip(specs, (v for v in vals if isinstance(v, torch.Tensor))):
+        items = (spec.items() if isinstance(spec, Mapping)
+                 else enumerate(spec) if isinstance(spec, (tuple, list)) else ())
+        for axis, dim in items:
+            name = getattr(dim, "__name__", None)
+            size = val.shape[axis] if axis < val.dim() else None
+            if name and isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                out.setdefault(size.node.expr.name, name)
+    return out

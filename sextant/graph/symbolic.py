@@ -1,0 +1,243 @@
+"""Symbolic dimensions: sizes known at capture time only by name and range (batch, sequence).
+
+A :class:`SymDim` is an integer polynomial over named symbols (``batch``, ``2*seq + 1``,
+``batch*seq``) that carries the declared range of each of its symbols (torch.export's
+``Dim("seq", min=1, max=512)``), so it is self-contained: no global symbol table. It behaves like
+an ``int`` where the answer does not depend on the value — arithmetic gives another ``SymDim``
+(or an ``int`` once the symbols cancel), ``==`` is symbolic identity (``batch*seq == seq*batch``;
+``seq == 1`` is False: the type of a ``seq``-long tensor is not that of a 1-long one), and an
+order comparison is answered from the ranges when they decide it. Asking for a concrete value
+(``int(d)``, ``range(d)``, a comparison the ranges cannot decide) raises
+:class:`SymbolicShapeError` naming the size, so a step that needs a concrete size says so.
+
+Shapes in the graph IR are tuples of ``int | SymDim`` (:data:`Dim`); :func:`bind` substitutes
+values for every symbol of a graph and gives an ordinary static graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
+
+import sympy
+
+from sextant.errors import SextantError
+
+
+class SymbolicShapeError(SextantError):
+    """A step needed the concrete value of a symbolic size, or sizes broke their declared ranges."""
+
+
+Bounds = tuple[tuple[str, int, int], ...]  # (symbol name, min, max), sorted by name
+
+
+def _symbol(name: str) -> sympy.Symbol:
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
+class SymDim:
+    """An integer polynomial over symbols with declared ranges; immutable, hashable."""
+
+    __slots__ = ("bounds", "expr")
+
+    expr: sympy.Expr
+    bounds: Bounds
+
+    def __init__(self, expr: sympy.Expr, bounds: Bounds) -> None:
+        object.__setattr__(self, "expr", expr)
+        object.__setattr__(self, "bounds", bounds)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("SymDim is immutable")
+
+    # -- construction ---------------------------------------------------------------------
+    @staticmethod
+    def symbol(name: str, lo: int, hi: int) -> SymDim:
+        if not (0 <= lo <= hi):
+            raise SymbolicShapeError(f"symbol {name}: range [{lo}, {hi}] is empty or negative")
+        return SymDim(_symbol(name), ((name, int(lo), int(hi)),))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _, _ in self.bounds)
+
+    def _lift(self, other: object) -> tuple[sympy.Expr, Bounds] | None:
+        if isinstance(other, SymDim):
+            return other.expr, _merge(self.bounds, other.bounds)
+        if isinstance(other, int) and not isinstance(other, bool):
+            return sympy.Integer(other), self.bounds
+        return None
+
+    def _op(self, other: object, fn: Any) -> Dim:
+        lifted = self._lift(other)
+        if lifted is None:
+            return NotImplemented
+        return make_dim(fn(self.expr, lifted[0]), lifted[1])
+
+    def __add__(self, o: object) -> Dim: return self._op(o, lambda a, b: a + b)
+    def __radd__(self, o: object) -> Dim: return self._op(o, lambda a, b: b + a)
+    def __sub__(self, o: object) -> Dim: return self._op(o, lambda a, b: a - b)
+    def __rsub__(self, o: object) -> Dim: return self._op(o, lambda a, b: b - a)
+    def __mul__(self, o: object) -> Dim: return self._op(o, lambda a, b: a * b)
+    def __rmul__(self, o: object) -> Dim: return self._op(o, lambda a, b: b * a)
+    def __floordiv__(self, o: object) -> Dim: return self._op(o, lambda a, b: sympy.floor(a / b))
+    def __rfloordiv__(self, o: object) -> Dim: return self._op(o, lambda a, b: sympy.floor(b / a))
+    def __mod__(self, o: object) -> Dim: return self._op(o, lambda a, b: sympy.Mod(a, b))
+    def __rmod__(self, o: object) -> Dim: return self._op(o, lambda a, b: sympy.Mod(b, a))
+
+    def __neg__(self) -> Dim:
+        return make_dim(-self.expr, self.bounds)
+
+    # -- identity and order -----------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        lifted = self._lift(other)
+        if lifted is None:
+            return NotImplemented
+        return sympy.expand(self.expr - lifted[0]) == 0
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash(self.expr)
+
+    def range(self) -> tuple[int | float, int | float]:
+        """The least and greatest value the declared ranges allow."""
+        from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+        vr = bound_sympy(self.expr, {_symbol(n): ValueRanges(lo, hi) for n, lo, hi in self.bounds})
+        return _num(vr.lower), _num(vr.upper)
+
+    def _decide(self, other: object, op: str) -> bool:
+        lifted = self._lift(other)
+        if lifted is None:
+            return NotImplemented
+        diff = make_dim(self.expr - lifted[0], lifted[1])
+        lo, hi = (diff, diff) if isinstance(diff, int) else diff.range()
+        verdict = {"<": (hi < 0, lo >= 0), "<=": (hi <= 0, lo > 0),
+                   ">": (lo > 0, hi <= 0), ">=": (lo >= 0, hi < 0)}[op]
+        if verdict[0]:
+            return True
+        if verdict[1]:
+            return False
+        raise SymbolicShapeError(f"cannot decide {self} {op} {other} for {describe(self.bounds)}: "
+                                 "the answer depends on the size")
+
+    def __lt__(self, o: object) -> bool: return self._decide(o, "<")
+    def __le__(self, o: object) -> bool: return self._decide(o, "<=")
+    def __gt__(self, o: object) -> bool: return self._decide(o, ">")
+    def __ge__(self, o: object) -> bool: return self._decide(o, ">=")
+
+    def __bool__(self) -> bool:
+        return bool(self._decide(0, ">"))  # sizes are never negative: non-zero means positive
+
+    def __index__(self) -> int:
+        raise SymbolicShapeError(f"size {self} is symbolic ({describe(self.bounds)}); this step needs a "
+                                 "concrete size")
+
+    __int__ = __index__
+
+    # -- values -------------------------------------------------------------------------------
+    def subs(self, values: Mapping[str, int]) -> int:
+        missing = [n for n in self.names if n not in values]
+        if missing:
+            raise SymbolicShapeError(f"no value for symbol(s) {', '.join(missing)} of size {self}")
+        v = self.expr.subs({_symbol(n): int(values[n]) for n in self.names})
+        return int(v)
+
+    def __str__(self) -> str:
+        return str(self.expr).replace(" ", "")
+
+    def __repr__(self) -> str:
+        return f"SymDim({self})"
+
+    def __reduce__(self) -> tuple:  # pickles as its text and ranges (sympy objects pickle too, slower)
+        return (parse_dim, (str(self), self.bounds))
+
+
+Dim = Union[int, SymDim]  # noqa: UP007
+
+
+def _num(v: Any) -> int | float:
+    if v in (sympy.oo, -sympy.oo) or (hasattr(v, "is_infinite") and v.is_infinite):
+        return float(v)
+    return int(v)
+
+
+def _merge(a: Bounds, b: Bounds) -> Bounds:
+    if a == b:
+        return a
+    out = dict((n, (lo, hi)) for n, lo, hi in a)
+    for n, lo, hi in b:
+        if n in out and out[n] != (lo, hi):
+            raise SymbolicShapeError(f"symbol {n} declared with two ranges: {list(out[n])} and {[lo, hi]}")
+        out[n] = (lo, hi)
+    return tuple((n, *out[n]) for n in sorted(out))
+
+
+def make_dim(expr: sympy.Expr, bounds: Bounds) -> Dim:
+    """``expr`` as a dimension: an ``int`` when it is a number, else a ``SymDim`` carrying the
+    ranges of the symbols it still mentions."""
+    expr = sympy.expand(expr)
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_number:
+        raise SymbolicShapeError(f"size {expr} is not an integer")
+    free = {s.name for s in expr.free_symbols}
+    return SymDim(expr, tuple(b for b in bounds if b[0] in free))
+
+
+def is_dim(v: object) -> bool:
+    return isinstance(v, SymDim) or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def is_symbolic(v: object) -> bool:
+    """Whether ``v`` (a dim, or nested tuples of them) mentions a symbol."""
+    if isinstance(v, SymDim):
+        return True
+    if isinstance(v, tuple):
+        return any(is_symbolic(x) for x in v)
+    return False
+
+
+def symbols_of(values: Iterable[object]) -> Bounds:
+    """The symbols (with ranges) mentioned anywhere in ``values`` (dims, nested tuples)."""
+    out: Bounds = ()
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, SymDim):
+            out = _merge(out, v.bounds)
+        elif isinstance(v, tuple):
+            stack.extend(v)
+    return out
+
+
+def substitute(v: Any, values: Mapping[str, int]) -> Any:
+    """``v`` with every ``SymDim`` in it (nested tuples too) replaced by its value."""
+    if isinstance(v, SymDim):
+        return v.subs(values)
+    if isinstance(v, tuple):
+        return tuple(substitute(x, values) for x in v)
+    return v
+
+
+def describe(bounds: Bounds) -> str:
+    return ", ".join(f"{n} in [{lo}, {hi}]" for n, lo, hi in bounds)
+
+
+def parse_dim(text: str, bounds: Bounds) -> Dim:
+    """A dimension from its printed form (``7``, ``seq``, ``2*seq+1``), over symbols of ``bounds``."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    local = {n: _symbol(n) for n, _, _ in bounds}
+    try:
+        expr = sympy.sympify(text, locals=local)
+    except (sympy.SympifyError, SyntaxError, TypeError) as e:
+        raise SymbolicShapeError(f"cannot read the size {text!r}: {e}") from None
+    unknown = sorted(s.name for s in expr.free_symbols if s.name not in local)
+    if unknown:
+        raise SymbolicShapeError(f"size {text!r} mentions undeclared symbol(s) {', '.join(unknown)}")
+    return make_dim(expr.subs({s: local[s.name] for s in expr.free_symbols}), bounds)
