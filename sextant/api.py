@@ -37,6 +37,7 @@ def compile(  # mirrors torch.compile
     stream: TextIO = sys.stdout,
     progress: StageHook | None = None,
     cache: bool = True,
+    dynamic_shapes: Any = None,
 ) -> CompiledModule:
     """Compile ``module`` for inputs shaped like ``args``/``kwargs``; returns a callable like the module.
 
@@ -56,6 +57,10 @@ def compile(  # mirrors torch.compile
     the same code, weights, inputs and options is loaded from the compile cache instead
     (``sextant.runtime.compile_cache``); such a module has the artifact's stages (``program``,
     kernels, PTX), not the capture's.
+    ``dynamic_shapes`` (torch.export's: ``{"ids": {0: Dim("batch", max=8), 1: Dim("seq", max=512)}}``)
+    keeps those sizes symbolic: one capture serves every size in range, each new binding of the
+    sizes compiled on first use (``sextant/runtime/specialize.py``, docs/dynamic-shapes.md); such a
+    module skips the on-disk compile cache.
     """
     if not isinstance(args, tuple):
         args = (args,)
@@ -65,14 +70,15 @@ def compile(  # mirrors torch.compile
     from sextant.runtime import compile_cache
 
     k = None
-    if cache and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
+    if cache and dynamic_shapes is None and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
         with _steps(progress)("cache"):
             k = compile_cache.key(module, args, kwargs, target, arch, pipeline)
             hit = compile_cache.lookup(k) if k else None
         if hit is not None:
             return hit
     with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
-        compiled = _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress)
+        compiled = _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress,
+                            dynamic_shapes)
     if k:
         compile_cache.store(k, compiled)
     return compiled
@@ -112,12 +118,27 @@ def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:
 
 def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,
              arch: str | None, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
-             progress: StageHook | None) -> CompiledModule:
+             progress: StageHook | None, dynamic_shapes: Any = None) -> CompiledModule:
     step = _steps(progress)
     with step("capture"):
-        captured = capture(module, args, kwargs)
+        captured = capture(module, args, kwargs, dynamic_shapes=dynamic_shapes)
     return compile_graph(captured, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
                          stream=stream, progress=step)
+
+
+def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],
+                     print_after_all: bool, stream: TextIO, progress: StageHook | None) -> CompiledModule:
+    """A module over a graph with symbolic sizes: each new binding of the sizes compiles the bound
+    graph on first use (``sextant/runtime/specialize.py``)."""
+    from sextant.runtime.specialize import Specializer
+
+    def compile_bound(graph: Graph) -> CompiledModule:
+        return compile_graph(graph, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
+                             stream=stream, progress=progress)
+
+    spec = Specializer(captured, compile_bound)
+    return CompiledModule(captured, target, spec, stages={"captured": captured, "specializer": spec},
+                          device="cuda" if target == "cuda" else "cpu")
 
 
 def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = None,
@@ -128,10 +149,13 @@ def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = No
     ``captured`` is a verified graph from ``sextant.capture`` or the ONNX frontend; the other
     arguments mean what they mean for :func:`compile`.
     """
+    from sextant.graph.bind import is_symbolic_graph
     from sextant.graph.passes import run_pipeline
 
     _check_target(target)
     step = _steps(progress)
+    if is_symbolic_graph(captured):
+        return _symbolic_module(captured, target, arch, pipeline, print_after_all, stream, progress)
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     stages: dict[str, Any] = {"captured": captured}

@@ -72,19 +72,23 @@ def declared_names(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, An
     if dynamic_shapes is None:
         return {}
     try:
-        bound = inspect.signature(module.forward).bind(*args, **dict(kwargs or {}))
-    except TypeError:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind(*args, **dict(kwargs or {}))
+    except (TypeError, ValueError):
         return {}
-    specs: list[Any] = []
+    pairs: list[tuple[Any, Any]] = []  # (argument value, its spec), as torch.export pairs them
     for i, (name, value) in enumerate(bound.arguments.items()):
         if isinstance(dynamic_shapes, Mapping):
             spec = dynamic_shapes.get(name)
-        elif isinstance(dynamic_shapes, (tuple, list)) and i < len(dynamic_shapes):
-            spec = dynamic_shapes[i]
         else:
-            spec = None
-        if isinstance(value, torch.Tensor):
-            specs.append(spec)
+            spec = dynamic_shapes[i] if isinstance(dynamic_shapes, (tuple, list)) and i < len(dynamic_shapes) else None
+        if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL and isinstance(spec, (tuple, list)):
+            pairs += list(zip(value, spec))
+        else:
+            pairs.append((value, spec))
+    specs = [spec for value, spec in pairs if isinstance(value, torch.Tensor)]
+    if len(specs) != len(pairs):
+        return {}  # nested arguments: where each tensor lands among the flat inputs is not tracked here
     vals = [n.meta.get("val") for n, s in zip(ep.graph.nodes, ep.graph_signature.input_specs)
             if n.op == "placeholder" and s.kind.name == "USER_INPUT"]
     out: dict[str, str] = {}

@@ -14,6 +14,7 @@ import torch
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, InputLeaf, Node, make_node
+from sextant.graph.symbolic import SymbolicShapeError, SymDim
 
 Operand = Node | int | float | bool
 
@@ -69,7 +70,11 @@ class GraphBuilder:
         return self.emit("param", name=key, shape=tuple(tensor.shape), dtype=DType.from_torch(tensor.dtype))
 
     def full(self, value: int | float | bool, shape: Sequence[int], dtype: DType) -> Node:
-        value = bool(value) if dtype == DType.bool else int(value) if dtype.is_int else float(value)
+        if isinstance(value, SymDim):  # a symbolic size as a tensor value (e.g. wrapping a negative index)
+            if not dtype.is_int:
+                raise SymbolicShapeError(f"the size {value} as a {dtype.value} value: only integer fills are symbolic")
+        else:
+            value = bool(value) if dtype == DType.bool else int(value) if dtype.is_int else float(value)
         return self.emit("full", value=value, shape=tuple(shape), dtype=dtype)
 
     def iota(self, shape: Sequence[int], axis: int, dtype: DType = DType.i64) -> Node:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sextant.graph.dtypes import DType
-from sextant.graph.symbolic import Dim, is_dim
+from sextant.graph.symbolic import Dim, SymDim, is_dim
 
 Shape = tuple[Dim, ...]  # ints, or symbolic sizes (sextant/graph/symbolic.py)
 
@@ -102,7 +102,9 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
         if op in ("input", "param"):
             _check(isinstance(attrs.get("name"), str), f"{op} needs a name")
         if op == "full":
-            _check(isinstance(attrs.get("value"), (int, float, bool)), "full.value must be a number")
+            value = attrs.get("value")
+            _check(isinstance(value, (int, float, bool)) or (isinstance(value, SymDim) and dtype.is_int),
+                   "full.value must be a number (or a size, for an integer fill)")
         return TensorType(shape, dtype)
 
     if op in UNARY:

@@ -24,6 +24,7 @@ _NODE = re.compile(
     r"(?P<res>%[\w.]+) = (?P<op>\w+)\((?P<ops>[^)]*)\)(?: \{(?P<attrs>.*)\})? : (?P<type>" + _TYPE + r")"
     r"(?:\s+loc\((?P<loc>\"(?:[^\"\\]|\\.)*\")\))?$"
 )
+_FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)")
 _RETURN = re.compile(r"return \((?P<outs>[^)]*)\)$")
 
 
@@ -89,7 +90,7 @@ def parse_attr(text: str, bounds: Bounds = ()) -> object:
         return DType(text)
     if re.fullmatch(r"-?\d+", text):
         return int(text)
-    if bounds and re.search(r"[A-Za-z_]", text) and text not in ("nan", "inf", "-inf"):
+    if bounds and not _FLOAT.fullmatch(text):
         return parse_dim(text, bounds)
     return float(text)
 

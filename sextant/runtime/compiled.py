@@ -36,6 +36,8 @@ class CompiledModule:
             leaf.input_index == i for i, leaf in enumerate(g.leaves)) and g.in_spec == pytree.tree_structure(
             (tuple(range(len(g.leaves))), {}))
         self._expected = [(tuple(n.shape), n.dtype.torch) for n in g.inputs]
+        # symbolic sizes: the shapes are checked when the executor solves the symbols (graph/bind.py)
+        self._symbolic = any(not isinstance(d, int) for n in g.inputs for d in n.shape)
 
     def __repr__(self) -> str:
         program = self.stages.get("program")
@@ -53,8 +55,12 @@ class CompiledModule:
     def save(self, path: str | os.PathLike) -> Path:
         """Write this module to the directory ``path`` (kernels, PTX/cubin, manifest, safetensors weights;
         no pickle) for :func:`sextant.load`; see :mod:`sextant.runtime.artifact`."""
+        from sextant.errors import ArtifactError
         from sextant.runtime.artifact import save
 
+        if self._symbolic:
+            raise ArtifactError("a module with symbolic sizes cannot be saved yet (an artifact holds one "
+                                "static program); compile it without dynamic_shapes to save it")
         return save(self, path)
 
     def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -90,7 +96,7 @@ class CompiledModule:
             node = g.inputs[leaf.input_index]
             if not isinstance(value, torch.Tensor):
                 raise InputError(f"argument {leaf.name!r}: expected a tensor {node.type}, got {type(value).__name__}")
-            if tuple(value.shape) != node.shape:
+            if not self._symbolic and tuple(value.shape) != node.shape:
                 raise InputError(f"argument {leaf.name!r}: expected shape {list(node.shape)}, got {list(value.shape)}")
             if value.dtype != node.dtype.torch:
                 raise InputError(f"argument {leaf.name!r}: expected dtype {node.dtype.torch}, got {value.dtype}")

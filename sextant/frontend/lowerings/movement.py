@@ -70,11 +70,11 @@ def _symbolic_slice(n, start, end, step: int):
             return default
         if v < 0:
             v = v + n
-            return 0 if v < 0 else v
-        return n if v >= n else v
+            return v if v >= 0 else 0
+        return v if v <= n else n  # (at v == n both are right: asked this way, seq >= 1 decides 1 <= seq)
 
     s, e = clamp(start, 0), clamp(end, n)
-    return s, (0 if e <= s else (e - s + step - 1) // step), step
+    return s, ((e - s + step - 1) // step if e >= s else 0), step
 
 
 @lower(aten.select.int)
