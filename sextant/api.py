@@ -70,7 +70,8 @@ def compile(  # mirrors torch.compile
     from sextant.runtime import compile_cache
 
     k = None
-    if cache and dynamic_shapes is None and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
+    if (cache and dynamic_shapes is None and not print_after_all and target in compile_cache.CACHED_TARGETS
+            and compile_cache.cache_root()):
         with _steps(progress)("cache"):
             k = compile_cache.key(module, args, kwargs, target, arch, pipeline)
             hit = compile_cache.lookup(k) if k else None
