@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from sextant.frontend.symbols import INDEX_MAX, _finite
+
 log = logging.getLogger("sextant.dynamo")
 OPTIONS = ("target", "arch", "pipeline", "fallback")
 
@@ -98,7 +100,41 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             return compiled
         return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
 
-    if _symbolic(example_inputs):  # dynamic=True, or Dynamo's automatic dynamic after a shape change
+    def compile_symbolic(args: Sequence[Any], plan: _SizePlan) -> Any:
+        """One symbolic capture for every size (``sextant.compile(dynamic_shapes=...)``)."""
+        flat = _Flat(gm, args)
+        kept = [i for i in range(len(args)) if i not in flat.baked]
+        sized = _Sized(flat, kept, plan)
+        tensors = tuple(args[i] for i in sized.tensor_args)
+        compiled = sextant.compile(sized, tensors, target=target, arch=opts.get("arch"),
+                                   pipeline=opts.get("pipeline", "default"), dynamic_shapes=sized.dynamic_shapes())
+
+        def run(*xs: Any) -> Any:
+            return compiled(*(xs[i] for i in sized.tensor_args))
+
+        run.compiled = compiled  # type: ignore[attr-defined]
+        return run
+
+    plan = _size_plan(gm) if _symbolic(example_inputs) else None
+    if plan is not None:  # one symbolic capture; falls back to per-shape compiles if it cannot be made
+        holder: dict[str, Any] = {}
+
+        def run_symbolic(*args: Any) -> Any:
+            if "fn" not in holder:
+                try:
+                    holder["fn"] = compile_symbolic(args, plan)
+                    STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: one capture"))
+                    log.info("sextant: a graph of %d ops with symbolic sizes %s captured once on %s", nodes,
+                             ", ".join(plan.names), target)
+                except SextantError as e:
+                    reason = str(e).splitlines()[0] + _first_reasons(e)
+                    log.info("sextant: symbolic capture failed (%s); compiling per concrete shape", reason)
+                    STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: compiled per concrete shape"))
+                    holder["fn"] = _PerShape(compile_for, fall_back, nodes)
+            return holder["fn"](*args)
+
+        return run_symbolic
+    if _symbolic(example_inputs):  # sizes Dynamo passes that no tensor dimension gives: per shape
         STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: compiled per concrete shape"))
         log.info("sextant: a graph of %d ops with symbolic shapes: compiled per concrete shape on %s", nodes, target)
         return _PerShape(compile_for, fall_back, nodes)
@@ -127,6 +163,81 @@ def _signature(a: Any) -> Any:
 def _symbolic(xs: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
         isinstance(d, torch.SymInt) for d in x.shape)) for x in xs)
+
+
+@dataclass
+class _SizePlan:
+    """How a Dynamo graph with symbolic sizes maps onto torch.export's ``dynamic_shapes``: each
+    tensor input's symbolic axes (symbol name per axis, with its range), and for each size input
+    (a ``SymInt`` Dynamo passes) the tensor input and axis that hold the same size."""
+
+    axes: dict[int, dict[int, str]]  # graph input index -> {axis: symbol}
+    sizes: dict[int, tuple[int, int]]  # graph input index of a size -> (tensor input index, axis)
+    ranges: dict[str, tuple[int, int | None]]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.ranges)
+
+
+def _size_plan(gm: torch.fx.GraphModule) -> _SizePlan | None:
+    """The plan, from the graph's placeholders' fake values; None when a size is not a plain symbol
+    that some tensor dimension holds (then the graph compiles per concrete shape)."""
+    vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    axes: dict[int, dict[int, str]] = {}
+    where: dict[str, tuple[int, int]] = {}
+    ranges: dict[str, tuple[int, int | None]] = {}
+    for i, v in enumerate(vals):
+        if not isinstance(v, torch.Tensor):
+            continue
+        for axis, d in enumerate(v.shape):
+            if not isinstance(d, torch.SymInt):
+                continue
+            expr = d.node.expr
+            if expr.is_Integer:
+                continue
+            if not expr.is_Symbol:
+                return None  # a derived size (2*s0): not expressed as torch.export Dims here
+            axes.setdefault(i, {})[axis] = expr.name
+            where.setdefault(expr.name, (i, axis))
+            vr = d.node.shape_env.var_to_range.get(expr)
+            lo = _finite(vr.lower, 2) if vr is not None else 2  # Dynamo specialises sizes 0 and 1
+            hi = _finite(vr.upper, INDEX_MAX) if vr is not None else INDEX_MAX
+            ranges[expr.name] = (lo, hi if hi < INDEX_MAX else None)
+    sizes: dict[int, tuple[int, int]] = {}
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.SymInt):
+            if not v.node.expr.is_Symbol or v.node.expr.name not in where:
+                return None
+            sizes[i] = where[v.node.expr.name]
+        elif v is not None and not isinstance(v, torch.Tensor):
+            return None
+    return _SizePlan(axes, sizes, ranges) if axes else None
+
+
+class _Sized(torch.nn.Module):
+    """A Dynamo graph (through :class:`_Flat`) as a module of its tensor inputs only: the sizes
+    Dynamo passes as ints are read off the tensors they belong to, so torch.export sees them as the
+    same symbols."""
+
+    def __init__(self, flat: _Flat, kept: list[int], plan: _SizePlan) -> None:
+        super().__init__()
+        self.flat, self.kept, self.plan = flat, kept, plan
+        self.tensor_args = [i for i in kept if i not in plan.sizes]
+
+    def dynamic_shapes(self) -> dict[str, tuple]:
+        from torch.export import Dim
+
+        dims = {name: Dim(name, min=lo, max=hi) if hi is not None else Dim(name, min=lo)
+                for name, (lo, hi) in self.plan.ranges.items()}
+        return {"tensors": tuple({axis: dims[name] for axis, name in self.plan.axes.get(i, {}).items()} or None
+                                 for i in self.tensor_args)}
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        by_index = dict(zip(self.tensor_args, tensors))
+        args = [by_index[i] if i in by_index else by_index[self.plan.sizes[i][0]].shape[self.plan.sizes[i][1]]
+                for i in self.kept]
+        return self.flat(*args)
 
 
 class _PerShape:

@@ -59,10 +59,10 @@ class TorchSymbols:
 
 
 def _finite(v: Any, default: int) -> int:
-    try:
-        return int(v) if getattr(v, "is_finite", True) is not False else default
-    except (TypeError, ValueError, OverflowError):
-        return default
+    """A range end as an int; ``default`` for torch's infinities (``int_oo``, which ``int()`` fails on)."""
+    if isinstance(v, int) or getattr(v, "is_Integer", False):
+        return int(v)
+    return default
 
 
 def declared_names(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None,

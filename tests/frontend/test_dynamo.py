@@ -111,8 +111,9 @@ def test_unknown_option() -> None:
         compiled(torch.randn(4, 8))
 
 
-def test_shape_changes_compile_once_per_shape() -> None:
-    """Dynamo's automatic dynamic makes the graph shape-generic after a change; sextant compiles per shape."""
+def test_shape_changes_capture_once() -> None:
+    """Dynamo's automatic dynamic makes the graph shape-generic after a change: sextant captures it
+    once with a symbolic batch, and compiles each new batch size below the graph IR once."""
     module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16)).eval()
     compiled = torch.compile(module, backend="sextant")
     with torch.no_grad():
@@ -120,8 +121,27 @@ def test_shape_changes_compile_once_per_shape() -> None:
             x = torch.randn(batch, 8)
             torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
     assert dyn.STATS.fallbacks == 0
-    per_shape = [g for g in dyn.STATS.graphs if "per concrete shape" in g.reason]
-    assert len(per_shape) == 1
+    symbolic = [g for g in dyn.STATS.graphs if g.reason == "symbolic shapes: one capture"]
+    assert len(symbolic) == 1 and not [g for g in dyn.STATS.graphs if "per concrete shape" in g.reason]
+
+
+def test_size_input_not_a_tensor_dim_compiles_per_shape() -> None:
+    """A size Dynamo passes that no tensor dimension holds cannot become a torch.export Dim: that
+    graph still runs, compiled per concrete shape."""
+    plan = dyn._size_plan(_graph_with_free_size())
+    assert plan is None
+
+
+def _graph_with_free_size() -> torch.fx.GraphModule:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    n = env.create_unbacked_symint()
+    g = torch.fx.Graph()
+    p = g.placeholder("n")
+    p.meta["example_value"] = n
+    g.output(p)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 def test_dynamic_true() -> None:
