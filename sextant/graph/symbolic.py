@@ -85,6 +85,14 @@ class SymDim:
     def __mod__(self, o: object) -> Dim: return self._op(o, lambda a, b: sympy.Mod(a, b))
     def __rmod__(self, o: object) -> Dim: return self._op(o, lambda a, b: sympy.Mod(b, a))
 
+    def __truediv__(self, o: object) -> Any:
+        raise SymbolicShapeError(f"a true division of the size {self} (a float scale from a symbolic size)")
+
+    __rtruediv__ = __truediv__
+
+    def __float__(self) -> float:
+        raise SymbolicShapeError(f"the size {self} as a float ({describe(self.bounds)})")
+
     def __neg__(self) -> Dim:
         return make_dim(-self.expr, self.bounds)
 
