@@ -463,7 +463,57 @@ def snippet_fa_schedule() -> str:
     return fused + "\n\n" + refused
 
 
+class _Windowed(nn.Module):
+    """The dynamic-shapes chapter's model: a projection over batch × sequence, a shifted softmax
+    and positions from ``arange`` — reshapes, slices and iota over symbolic sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        z = (x.reshape(b * s, d) @ self.w).reshape(b, s, -1)
+        return z[:, 1:].softmax(-1) + torch.arange(s - 1).float()[:, None]
+
+
+def _windowed_dims() -> dict:
+    from torch.export import Dim
+
+    return {"x": {0: Dim("batch", min=1, max=8), 1: Dim("seq", min=3, max=512)}}
+
+
+def snippet_dynamic_captured() -> str:
+    """The chapter's model captured with symbolic batch and sequence sizes."""
+    torch.manual_seed(0)
+    return _relative(str(sextant.capture(_Windowed(), (torch.randn(2, 5, 4),), dynamic_shapes=_windowed_dims())))
+
+
+def snippet_dynamic_calls() -> str:
+    """One compile called at three sizes: the bindings it compiled, and two calls it refuses."""
+    from sextant.errors import InputError
+
+    torch.manual_seed(0)
+    model = _Windowed()
+    cm = sextant.compile(model, (torch.randn(2, 5, 4),), target="cpu", dynamic_shapes=_windowed_dims())
+    lines = []
+    for shape in [(1, 3, 4), (3, 7, 4), (8, 100, 4), (3, 7, 4)]:
+        x = torch.randn(shape)
+        ok = torch.allclose(cm(x), model(x), rtol=1e-5, atol=1e-5)  # (the error itself varies with the CPU)
+        lines.append(f"x {list(shape)}: {'matches' if ok else 'DIFFERS FROM'} eager")
+    modules = cm.stages["specializer"].modules
+    lines.append(f"bindings compiled: {', '.join(' '.join(f'{k}={v}' for k, v in b) for b in modules)}")
+    for shape in [(9, 5, 4), (2, 5, 5)]:
+        try:
+            cm(torch.randn(shape))
+        except InputError as e:
+            lines.append(f"x {list(shape)}: InputError: {e}")
+    return "\n".join(lines)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "dynamic-captured": snippet_dynamic_captured,
+    "dynamic-calls": snippet_dynamic_calls,
     "fa-kernel-excerpt": snippet_fa_kernel_excerpt,
     "fa-ptxas": snippet_fa_ptxas,
     "fa-counters": snippet_fa_counters,
