@@ -35,6 +35,9 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
         ep = torch.export.export(module, args, dict(kwargs or {}), strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # torch raises many types here; all mean "could not trace"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if first.startswith("Constraints violated"):  # dynamic_shapes: torch's explanation and fix matter
+            detail = str(e).strip().split("\n\nThe error above occurred")[0]
+            first = "\n".join(detail.splitlines()[:12])
         raise ExportError(
             f"torch.export could not capture {type(module).__name__}: {type(e).__name__}: {first}\n"
             "sextant needs a graph that torch.export can trace (no data-dependent Python control flow, "

@@ -99,3 +99,32 @@ def test_llama_through_torch_compile_dynamic() -> None:
             torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
     assert [g.reason for g in dyn.STATS.graphs] == ["symbolic shapes: one capture"]
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_gpu_mappings_at_ragged_symbolic_sizes() -> None:
+    """fp16 GPT-2 with symbolic batch and sequence on cuda-sim: tensor-core GEMMs and flash
+    attention at 1, 7 and 129 tokens (ragged tiles) match eager."""
+    from sextant.examples import gpt2
+
+    model, (ids,) = gpt2(batch=2, seq=160)  # an example size of 1 would be specialised by torch.export
+    model = model.half()
+    dims = {"input_ids": {0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=160)}}
+    cm = sextant.compile(model, (ids,), target="cuda-sim", dynamic_shapes=dims)
+    with torch.no_grad():
+        for batch, seq in [(1, 7), (3, 129), (1, 1)]:
+            x = torch.randint(0, 1000, (batch, seq))
+            torch.testing.assert_close(cm(x).float(), model.float()(x), rtol=2e-2, atol=3e-2)
+            model.half()
+    mappings = {k.meta.get("mapping") for m in cm.stages["specializer"].modules.values()
+                for k in m.stages["program"].kernels.values()}
+    assert {"tensor-core", "flash-attention-tensor-core"} <= mappings
+
+
+def test_size_torch_export_specialises_is_explained() -> None:
+    """An example of batch 1 makes torch.export specialise the batch: the error keeps torch's
+    explanation and suggested fix."""
+    model = nn.Linear(4, 4)
+    with pytest.raises(sextant.errors.ExportError, match=r"(?s)Constraints violated \(batch\).*Suggested fixes"):
+        sextant.compile(model, (torch.randn(1, 4),), target="reference",
+                        dynamic_shapes={"input": {0: Dim("batch", min=1, max=8)}})

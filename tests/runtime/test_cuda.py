@@ -113,3 +113,20 @@ def test_cpu_input_is_refused_with_the_reason() -> None:
     _, args, compiled = _compiled("mlp", torch.float32)
     with pytest.raises(ValueError, match="CUDA"):
         compiled(args[0].cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_symbolic_sizes_on_the_gpu(dtype: torch.dtype) -> None:
+    """GPT-2 (the built-in example) captured once with symbolic batch and sequence sizes: ragged
+    sizes (1, 7, 129 tokens) through the GPU's mappings — tensor cores and flash attention in fp16."""
+    from torch.export import Dim
+
+    model, (ids,) = gpt2(batch=2, seq=160)  # an example size of 1 would be specialised by torch.export
+    model = model.to(dtype).cuda()
+    dims = {"input_ids": {0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=160)}}
+    compiled = sextant.compile(model, (ids.cuda(),), target="cuda", dynamic_shapes=dims)
+    with torch.no_grad():
+        for batch, seq in [(1, 7), (3, 129), (1, 1)]:
+            x = torch.randint(0, 1000, (batch, seq), device="cuda")
+            torch.testing.assert_close(compiled(x).float(), model(x).float(), **TOL[dtype])
+    assert len(compiled.stages["specializer"].modules) == 3
