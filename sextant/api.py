@@ -59,8 +59,8 @@ def compile(  # mirrors torch.compile
     kernels, PTX), not the capture's.
     ``dynamic_shapes`` (torch.export's: ``{"ids": {0: Dim("batch", max=8), 1: Dim("seq", max=512)}}``)
     keeps those sizes symbolic: one capture serves every size in range, each new binding of the
-    sizes compiled on first use (``sextant/runtime/specialize.py``, docs/dynamic-shapes.md); such a
-    module skips the on-disk compile cache.
+    sizes compiled on first use (``sextant/runtime/specialize.py``, docs/dynamic-shapes.md) — with
+    the cache on, one cache entry per binding, so a later process loads the sizes it has seen.
     """
     if not isinstance(args, tuple):
         args = (args,)
@@ -70,17 +70,18 @@ def compile(  # mirrors torch.compile
     from sextant.runtime import compile_cache
 
     k = None
-    if (cache and dynamic_shapes is None and not print_after_all and target in compile_cache.CACHED_TARGETS
-            and compile_cache.cache_root()):
+    if cache and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
         with _steps(progress)("cache"):
             k = compile_cache.key(module, args, kwargs, target, arch, pipeline)
-            hit = compile_cache.lookup(k) if k else None
+            if k and dynamic_shapes is not None:  # the capture runs; each binding is an entry of its own
+                k = compile_cache.dynamic_key(k, dynamic_shapes)
+            hit = compile_cache.lookup(k) if k and dynamic_shapes is None else None
         if hit is not None:
             return hit
     with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
         compiled = _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress,
-                            dynamic_shapes)
-    if k:
+                            dynamic_shapes, k if dynamic_shapes is not None else None)
+    if k and dynamic_shapes is None:
         compile_cache.store(k, compiled)
     return compiled
 
@@ -119,23 +120,33 @@ def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:
 
 def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,
              arch: str | None, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
-             progress: StageHook | None, dynamic_shapes: Any = None) -> CompiledModule:
+             progress: StageHook | None, dynamic_shapes: Any = None, cache_key: str | None = None) -> CompiledModule:
     step = _steps(progress)
     with step("capture"):
         captured = capture(module, args, kwargs, dynamic_shapes=dynamic_shapes)
     return compile_graph(captured, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
-                         stream=stream, progress=step)
+                         stream=stream, progress=step, cache_key=cache_key)
 
 
 def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],
-                     print_after_all: bool, stream: TextIO, progress: StageHook | None) -> CompiledModule:
+                     print_after_all: bool, stream: TextIO, progress: StageHook | None,
+                     cache_key: str | None) -> CompiledModule:
     """A module over a graph with symbolic sizes: each new binding of the sizes compiles the bound
-    graph on first use (``sextant/runtime/specialize.py``)."""
-    from sextant.runtime.specialize import Specializer
+    graph on first use (``sextant/runtime/specialize.py``), or loads it from the compile cache
+    (entry: ``cache_key`` and the binding) when ``cache_key`` is given."""
+    from sextant.runtime import compile_cache
+    from sextant.runtime.specialize import Binding, Specializer
 
-    def compile_bound(graph: Graph) -> CompiledModule:
-        return compile_graph(graph, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
-                             stream=stream, progress=progress)
+    def compile_bound(graph: Graph, binding: Binding) -> CompiledModule:
+        k = compile_cache.binding_key(cache_key, binding) if cache_key else None
+        hit = compile_cache.lookup(k) if k else None
+        if hit is not None:
+            return hit
+        compiled = compile_graph(graph, target=target, arch=arch, pipeline=pipeline,
+                                 print_after_all=print_after_all, stream=stream, progress=progress)
+        if k:
+            compile_cache.store(k, compiled)
+        return compiled
 
     spec = Specializer(captured, compile_bound)
     return CompiledModule(captured, target, spec, stages={"captured": captured, "specializer": spec},
@@ -144,11 +155,14 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
 
 def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = None,
                   pipeline: str | Sequence[str] = "default", print_after_all: bool = False,
-                  stream: TextIO = sys.stdout, progress: StageHook | None = None) -> CompiledModule:
+                  stream: TextIO = sys.stdout, progress: StageHook | None = None,
+                  cache_key: str | None = None) -> CompiledModule:
     """The stages after the frontend, shared by every frontend: graph passes, then ``target``'s backend.
 
     ``captured`` is a verified graph from ``sextant.capture`` or the ONNX frontend; the other
-    arguments mean what they mean for :func:`compile`.
+    arguments mean what they mean for :func:`compile`. For a graph with symbolic sizes,
+    ``cache_key`` (the compile cache's key of the model and its ``dynamic_shapes``) keys each
+    binding's entry in the compile cache; without it the bindings are compiled in memory only.
     """
     from sextant.graph.bind import is_symbolic_graph
     from sextant.graph.passes import run_pipeline
@@ -156,7 +170,7 @@ def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = No
     _check_target(target)
     step = _steps(progress)
     if is_symbolic_graph(captured):
-        return _symbolic_module(captured, target, arch, pipeline, print_after_all, stream, progress)
+        return _symbolic_module(captured, target, arch, pipeline, print_after_all, stream, progress, cache_key)
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     stages: dict[str, Any] = {"captured": captured}

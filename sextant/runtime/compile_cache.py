@@ -128,6 +128,27 @@ def key(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, 
     return h.hexdigest()
 
 
+def _dim_spec(v: Any) -> Any:
+    """``dynamic_shapes`` as key material: each ``Dim`` by its name and range."""
+    if isinstance(v, Mapping):
+        return tuple((str(k), _dim_spec(x)) for k, x in v.items())
+    if isinstance(v, (tuple, list)):
+        return tuple(_dim_spec(x) for x in v)
+    if hasattr(v, "__name__") and hasattr(v, "min"):
+        return ("Dim", v.__name__, v.min, v.max)
+    return repr(v)
+
+
+def dynamic_key(k: str, dynamic_shapes: Any) -> str:
+    """The key of compiling with ``dynamic_shapes``: the static key ``k`` and the declared dims."""
+    return hashlib.sha256(f"{k}\0dynamic\0{_dim_spec(dynamic_shapes)!r}".encode()).hexdigest()
+
+
+def binding_key(k: str, binding: Sequence[tuple[str, int]]) -> str:
+    """The entry of one binding of the sizes (``batch=3, seq=7``) of the module keyed ``k``."""
+    return hashlib.sha256(f"{k}\0binding\0{tuple(binding)!r}".encode()).hexdigest()
+
+
 def lookup(k: str) -> Any:
     """The cached module for key ``k``, or None (a corrupted entry is deleted, and None returned)."""
     root = cache_root()

@@ -25,10 +25,11 @@ Binding = tuple[tuple[str, int], ...]
 
 
 class Specializer:
-    """``inputs -> outputs`` for a symbolic graph; ``compile_bound`` builds the static module for one
-    binding (``sextant.api.compile_graph`` with the user's target and options)."""
+    """``inputs -> outputs`` for a symbolic graph; ``compile_bound(graph, binding)`` builds the static
+    module for one binding (``sextant.api.compile_graph`` with the user's target and options, through
+    the compile cache when it is on)."""
 
-    def __init__(self, graph: Graph, compile_bound: Callable[[Graph], Any]) -> None:
+    def __init__(self, graph: Graph, compile_bound: Callable[[Graph, Binding], Any]) -> None:
         self.graph = graph
         self._compile_bound = compile_bound
         self.modules: dict[Binding, Any] = {}  # binding -> CompiledModule, in the order first seen
@@ -41,7 +42,7 @@ class Specializer:
         with self._lock:
             module = self.modules.get(binding)
             if module is None:
-                module = self._compile_bound(bind(self.graph, dict(binding)))
+                module = self._compile_bound(bind(self.graph, dict(binding)), binding)
                 self.modules[binding] = module
             return module
 

@@ -120,3 +120,26 @@ def test_second_process_skips_capture_and_llvm(cache_dir: Path) -> None:
         assert r.returncode == 0, r.stderr[-2000:]
     assert "'capture'" in runs[0].stdout and "False" in runs[0].stdout
     assert runs[1].stdout.strip() == "['cache'] True"  # no capture, no ptxas, no LLVM
+
+
+def test_symbolic_sizes_one_entry_per_binding(cache_dir: Path) -> None:
+    """A module compiled with dynamic_shapes stores each binding of its sizes; a second compile (as
+    a second process would) loads the bindings it has seen and compiles only the new one."""
+    from torch.export import Dim
+
+    model = Block().eval()
+    dims = {"x": {0: Dim("rows", min=1, max=64)}}
+    first = sextant.compile(model, (torch.randn(4, 16),), target="cpu", dynamic_shapes=dims)
+    for rows in (3, 17):
+        first(torch.randn(rows, 16))
+    assert len(_entries(cache_dir)) == 2
+    second = sextant.compile(model, (torch.randn(4, 16),), target="cpu", dynamic_shapes=dims)
+    for rows in (3, 17, 5):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(second(x), model(x))
+    hits = {b: m.stages["cache"]["hit"] for b, m in second.stages["specializer"].modules.items()}
+    assert hits == {(("rows", 3),): True, (("rows", 17),): True, (("rows", 5),): False}
+    other = sextant.compile(model, (torch.randn(4, 16),), target="cpu",
+                            dynamic_shapes={"x": {0: Dim("rows", min=1, max=32)}})  # other ranges: other entries
+    other(torch.randn(3, 16))
+    assert other.stages["specializer"].modules[(("rows", 3),)].stages["cache"]["hit"] is False
