@@ -41,6 +41,7 @@ def solve(graph: Graph, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
                                      f"{values[sym]}: both are the size {sym}")
                 values.setdefault(sym, int(size))
                 where.setdefault(sym, f"input {name!r} dimension {axis}")
+    _solve_derived(names, graph.inputs, shapes, values, where)
     for sym, lo, hi in graph_symbols(graph):
         if sym not in values:
             raise InputError(f"the size {sym} is no input's dimension; it cannot be read off the call")
@@ -53,6 +54,36 @@ def solve(graph: Graph, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
             raise InputError(f"input {name!r} has shape {list(shape)}; with {_show(values)} the model needs "
                              f"{list(want)} ({node.type})")
     return values
+
+
+def _solve_derived(names: list[str], inputs: Sequence[Node], shapes: Sequence[Sequence[int]],
+                   values: dict[str, int], where: dict[str, str]) -> None:
+    """Symbols that only appear in derived input sizes (torch.export's ``20*_seq``, ``s + 1``): each
+    dimension linear in one still-unknown symbol gives its value (when it divides exactly)."""
+    changed = True
+    while changed:
+        changed = False
+        for name, node, shape in zip(names, inputs, shapes):
+            for axis, (dim, size) in enumerate(zip(node.shape, shape)):
+                if not isinstance(dim, SymDim):
+                    continue
+                unknown = [n for n in dim.names if n not in values]
+                if len(unknown) != 1:
+                    continue
+                sym = next(s for s in dim.expr.free_symbols if s.name == unknown[0])
+                rest = dim.expr.subs({s: values[s.name] for s in dim.expr.free_symbols if s.name in values})
+                poly = rest.as_poly(sym)
+                if poly is None or poly.degree() != 1:
+                    continue
+                a, c = (int(x) for x in poly.all_coeffs())
+                if a == 0:
+                    continue
+                if (int(size) - c) % a:
+                    raise InputError(f"input {name!r} dimension {axis} is {size}, which is not {dim} for any "
+                                     f"whole {unknown[0]}")
+                values[unknown[0]] = (int(size) - c) // a
+                where[unknown[0]] = f"input {name!r} dimension {axis} ({dim} = {size})"
+                changed = True
 
 
 def bind(graph: Graph, values: Mapping[str, int]) -> Graph:

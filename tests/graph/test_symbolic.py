@@ -163,3 +163,31 @@ def test_lowering_that_needs_a_concrete_size_names_the_op() -> None:
 
     with pytest.raises(UnsupportedOpError, match=r"aten.upsample_nearest2d.vec(.|\n)*not with symbolic sizes yet"):
         sextant.capture(Upsample(), (torch.randn(4, 3),), dynamic_shapes={"x": {0: Dim("n", min=2, max=64)}})
+
+
+def test_derived_sizes_are_solved() -> None:
+    """A symbol only seen in a derived size (torch.export's ``20*_seq``) is solved from it."""
+    n = SymDim.symbol("n", 1, 100)
+    b = GraphBuilder("derived")
+    x = b.input("x", (2 * n + 1, 3), DType.f32)
+    g = b.build([b.unary("exp", x)])
+    assert solve(g, [(9, 3)]) == {"n": 4}
+    with pytest.raises(InputError, match=r"dimension 0 is 8, which is not 2\*n\+1 for any whole n"):
+        solve(g, [(8, 3)])
+
+
+class Stats(nn.Module):
+    """Means and (corrected) variances over a symbolic axis divide by a symbolic count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1) + x.var(1) + torch.var(x, 1, correction=0) + nn.functional.layer_norm(x, (x.shape[-1],))[:, 0]
+
+
+@pytest.mark.parametrize("target", ["reference", "cpu", "cuda-sim"])
+def test_symbolic_counts(target: str) -> None:
+    cm = sextant.compile(Stats(), (torch.randn(2, 5, 8),), target=target,
+                         dynamic_shapes={"x": {1: Dim("seq", min=2, max=64)}})
+    assert "full() {value=seq}" in print_graph(cm.graph)
+    for seq in (2, 13, 64):
+        x = torch.randn(2, seq, 8)
+        torch.testing.assert_close(cm(x), Stats()(x), rtol=1e-5, atol=1e-5)

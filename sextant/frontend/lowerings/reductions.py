@@ -102,7 +102,12 @@ def _variance(b: GraphBuilder, x: Node, axes: list[int], correction: float) -> t
     mean = b.mean(x, axes)
     d = b.sub(x, b.expand(mean, x.shape))
     ss = b.reduce("sum", b.mul(d, d), axes)
-    return b.div(ss, float(max(n - correction, 0))), mean
+    if isinstance(n, int):
+        return b.div(ss, float(max(n - correction, 0))), mean
+    if not float(correction).is_integer():  # a symbolic count: Bessel's correction is 0 or 1
+        raise Unsupported(f"a fractional correction {correction} over the symbolic count {n}")
+    dof = n - int(correction)
+    return b.div(ss, b.count(dof if dof >= 0 else 0, ss)), mean
 
 
 @lower(aten.var.correction)
