@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -232,6 +233,40 @@ class CudaRunner:
         return out
 
     # -- a call ---------------------------------------------------------------------------------
+    def _tensors(self, inputs: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+        """Every buffer's tensor for one call (inputs, fresh outputs, weights) and the per-call addresses."""
+        p = self.program
+        tensors: dict[int, torch.Tensor] = dict(self.constants)
+        for b, x in zip(p.buffers, inputs):  # inputs come first, in graph order
+            tensors[b.index] = self._as_input(b.index, x)
+        for b in p.buffers:
+            if b.kind == "output":
+                tensors[b.index] = torch.empty(b.node.shape, dtype=b.node.dtype.torch, device=self.device)
+        return tensors, {b.index: tensors[b.index].data_ptr() for b in p.buffers if b.kind in PER_CALL_KINDS}
+
+    def profile(self, inputs: Sequence[torch.Tensor], repeats: int = 20) -> list[float]:
+        """Seconds per launch, in plan order: after one whole forward has filled every buffer, each
+        launch is issued ``repeats`` times back to back between two CUDA events (so a launch costs
+        what it costs on the GPU, without the host's launch overhead between kernels)."""
+        if getattr(self, "_module", None) is None:
+            raise CudaError(f"{self!r} was closed")
+        with self._lock, self._on_device():
+            self._drv("cuCtxSetCurrent", self._context, what="making the primary context current")
+            stream = self._stream()
+            tensors, addresses = self._tensors(inputs)
+            self._run_launches(addresses, stream)
+            handle, out = self._stream_handle(stream), []
+            for s, block in zip(self.plan.launches, self._blocks):
+                start, end = _Timer(self.device), _Timer(self.device)
+                start.record()
+                for _ in range(repeats):
+                    self._drv("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, self._shared[s.kernel],
+                              handle, block.address, 0, what=_describe(s))
+                end.record()
+                out.append(start.seconds_to(end) / repeats)
+            del tensors
+            return out
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
         if getattr(self, "_module", None) is None:
@@ -240,13 +275,7 @@ class CudaRunner:
             # the calling thread may never have used this GPU (or have another context current)
             self._drv("cuCtxSetCurrent", self._context, what="making the primary context current")
             stream = self._stream()
-            tensors: dict[int, torch.Tensor] = dict(self.constants)
-            for b, x in zip(p.buffers, inputs):  # inputs come first, in graph order
-                tensors[b.index] = self._as_input(b.index, x)
-            for b in p.buffers:
-                if b.kind == "output":
-                    tensors[b.index] = torch.empty(b.node.shape, dtype=b.node.dtype.torch, device=self.device)
-            addresses = {b.index: tensors[b.index].data_ptr() for b in p.buffers if b.kind in PER_CALL_KINDS}
+            tensors, addresses = self._tensors(inputs)
             if self.use_graph and self.plan.launches:
                 self._run_graph(addresses, stream)
             else:
@@ -412,6 +441,26 @@ class CudaRunner:
         mode = "CUDA graph" if self.use_graph else "kernel by kernel"
         return (f"CudaRunner({len(self.plan.launches)} launches of {len(self.program.kernels)} kernels, "
                 f"{self.image} for {self.arch}, {mode}, on {self.device})")
+
+
+class _Timer:
+    """A CUDA event on torch's current stream; on a fake device (tests), the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        self.t = 0.0
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def seconds_to(self, end: _Timer) -> float:
+        if self.event is None or end.event is None:
+            return end.t - self.t
+        end.event.synchronize()
+        return self.event.elapsed_time(end.event) / 1e3
 
 
 def _describe(s: LaunchSpec) -> str:

@@ -130,6 +130,7 @@ class Row:
     inductor_compile_s: float | None = None
     kernels: str = ""
     notes: list[str] = field(default_factory=list)
+    profile: dict | None = None  # where the GPU time goes (models only): sextant.tools.bench.profile's dict
 
 
 def _cast(model: nn.Module, args: tuple, dtype: torch.dtype, device: str) -> tuple[nn.Module, tuple]:
@@ -204,6 +205,10 @@ def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, tor
         del got
         row.sextant_ms = _time_ms(lambda: compiled(*args), cuda=not dry_run)
         runner = compiled.stages.get("runner")
+        if case.name.startswith("gpt2") and hasattr(runner, "profile"):  # each launch timed on the GPU
+            from sextant.tools.bench import profile
+
+            row.profile = profile(runner, program, compiled.flat_inputs(args, {}), row.sextant_ms)
         if runner is not None and runner.image != "cubin":
             row.notes.append("PTX JIT-compiled by the driver" + (" (cubin refused)" if runner.cubin_error else ""))
     except Exception as e:
@@ -242,6 +247,32 @@ def table(rows: list[Row], device: str) -> str:
         lines.append(f"| {r.case} | {_fmt(r.eager_ms, '.3f')} | {_fmt(r.sextant_ms, '.3f')} | {_fmt(ratio)} | "
                      f"{_fmt(r.inductor_ms, '.3f')} | {_fmt(r.max_err, '.1e')} | {_fmt(r.sextant_compile_s, '.1f')} | "
                      f"{_fmt(r.inductor_compile_s, '.1f')} | {r.kernels} | {device} | {'; '.join(r.notes)} |")
+    return "\n".join(lines)
+
+
+KINDS = ("matmul", "attention", "reduce", "elementwise")
+
+
+def profile_table(rows: list[Row]) -> str:
+    """Where sextant's GPU time goes per model: each launch timed between CUDA events
+    (``CudaRunner.profile``), summed per kernel kind; *gaps* is the rest of a call (launch gaps
+    inside the CUDA graph, the host's per-call work). Empty when no row was profiled."""
+    profiled = [r for r in rows if r.profile]
+    if not profiled:
+        return ""
+
+    def cell(ms: float | None, total: float) -> str:
+        return "–" if not ms else f"{ms:.3f} ({100 * ms / total:.0f}%)"
+
+    head = "| case | sextant ms | " + " | ".join(KINDS) + " | other | gaps | slowest launch |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in profiled:
+        p, total = r.profile, r.sextant_ms or 0.0
+        kinds = dict(p["kinds"])
+        other = sum(v for k, v in kinds.items() if k not in KINDS)
+        ms, what = p["worst"]
+        lines.append(f"| {r.case} | {total:.3f} | " + " | ".join(cell(kinds.get(k), total) for k in KINDS)
+                     + f" | {cell(other, total)} | {cell(p['overhead_ms'], total)} | {ms:.3f} ms {what} |")
     return "\n".join(lines)
 
 
@@ -290,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         state = f"the whole run took {time.perf_counter() - start:.0f} s" if final else "INCOMPLETE run"
         text = (f"{software}. Medians of timed calls (CUDA events on the GPU) after 2 warm-ups; max abs err is "
                 f"sextant vs eager (same dtype); {state}.\n\n" + table([rows[c.name] for c in cases], device) + "\n")
+        where = profile_table([rows[c.name] for c in cases])
+        if where:
+            text += ("\nWhere sextant's GPU time goes (each launch timed between CUDA events, 20 back to back, "
+                     "after a forward; summed per kernel kind):\n\n" + where + "\n")
         for path in out_paths:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)

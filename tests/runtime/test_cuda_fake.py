@@ -413,3 +413,16 @@ def test_kernels_past_48_kib_get_dynamic_shared_memory(use_graph: bool, monkeypa
         fresh = torch.randn_like(x)
         expected = fresh.float() @ model.weight.float().T + model.bias.float()  # f32 reference
         torch.testing.assert_close(compiled(fresh).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_profile_times_each_launch_and_leaves_calls_correct() -> None:
+    """``CudaRunner.profile``: one forward, then each launch ``repeats`` times back to back; one time
+    per launch, and the module still computes the right answer afterwards (buffers rebound)."""
+    model, args, compiled, runner, fake = _build("transformer-block", use_graph=False)
+    n = len(runner.plan.launches)
+    times = runner.profile(list(args), repeats=3)
+    assert len(times) == n and all(t >= 0 for t in times)
+    assert fake.calls.count("cuLaunchKernel") == n + 3 * n
+    x = torch.randn_like(args[0])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=2e-5)

@@ -40,3 +40,15 @@ def test_dry_run_attention_cases_run_the_flash_kernel(tmp_path: Path) -> None:
         assert row["kernels (unique)"].startswith("1 (1), 1 tensor-core"), row
         assert "0 B spills" in row["notes"]
         assert float(row["max abs err"]) < 4e-3
+
+
+def test_profile_table_sums_kinds_and_names_the_slowest_launch() -> None:
+    from sextant.tools.gpu_bench import Row, profile_table
+
+    row = Row("gpt2-x", sextant_ms=10.0, profile={"kinds": {"matmul": 6.0, "attention": 2.0, "gather": 0.5},
+                                                    "kernels_ms": 8.5, "overhead_ms": 1.5,
+                                                    "worst": (1.25, "matmul matmul 4096×50257")})
+    text = profile_table([row, Row("softmax", sextant_ms=1.0)])
+    assert text.splitlines()[2] == ("| gpt2-x | 10.000 | 6.000 (60%) | 2.000 (20%) | – | – | 0.500 (5%) | "
+                                    "1.500 (15%) | 1.250 ms matmul matmul 4096×50257 |")
+    assert len(text.splitlines()) == 3 and profile_table([Row("softmax")]) == ""
