@@ -72,6 +72,9 @@ def _plain(v: Any) -> Any:
         return v
     if isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float, str, type(None))) for x in v):
         return tuple(v)
+    if isinstance(v, dict) and all(isinstance(k, (bool, int, float, str)) for k in v):
+        items = [(k, _plain(x)) for k, x in v.items()]  # e.g. the Dynamo wrapper's baked float constants
+        return repr(sorted(items, key=repr)) if all(x is not None or v[k] is None for k, x in items) else None
     if hasattr(v, "to_dict"):  # a transformers/diffusers config
         return repr(sorted(v.to_dict().items()))
     return None

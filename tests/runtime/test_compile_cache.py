@@ -143,3 +143,24 @@ def test_symbolic_sizes_one_entry_per_binding(cache_dir: Path) -> None:
                             dynamic_shapes={"x": {0: Dim("rows", min=1, max=32)}})  # other ranges: other entries
     other(torch.randn(3, 16))
     assert other.stages["specializer"].modules[(("rows", 3),)].stages["cache"]["hit"] is False
+
+
+def test_dynamo_baked_constants_are_keyed(cache_dir: Path) -> None:
+    """torch.compile(dynamic=True) passes a LayerNorm's eps as a float64 scalar input that sextant
+    bakes into the graph: two graphs differing only in it must not share an entry."""
+    import torch._dynamo
+
+    import sextant.frontend.dynamo as dyn
+
+    outs = []
+    for eps in (1e-5, 0.5):
+        torch._dynamo.reset()
+        model = nn.LayerNorm(16, eps=eps).eval()
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            got = torch.compile(model, backend="sextant", dynamic=True)(x)
+            torch.testing.assert_close(got, model(x))
+        outs.append(got)
+    assert not torch.allclose(outs[0], outs[1])
+    torch._dynamo.reset()
+    dyn.STATS.reset()
