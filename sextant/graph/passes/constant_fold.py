@@ -177,14 +177,16 @@ def foldable(graph: Graph) -> set[Node]:
             indexed.add(n)
         if n.op in SOURCES or n.op == "input":
             continue
+        if not isinstance(n.type.numel, int):  # a size that depends on a symbol: evaluated per call
+            continue
         if n.op in _SAME_VALUE_MOVEMENT and n.op != "gather" and n.inputs[0] in indexed:
             indexed.add(n)
         if _index_predicate(n, indexed, users, constant):
             continue
         materialised = [i.type.numel for i in n.inputs if i in out]
         bound = max([MIN_FOLD_NUMEL, *materialised])
-        if n.type.numel <= bound and all(i in out or (i.op in ("full", "iota") and i.type.numel <= bound)
-                                         for i in n.inputs):
+        if n.type.numel <= bound and all(i in out or (i.op in ("full", "iota") and isinstance(i.type.numel, int)
+                                                      and i.type.numel <= bound) for i in n.inputs):
             out.add(n)
     return out
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from sextant.graph.ir import Graph, Node
+from sextant.graph.symbolic import SymbolicShapeError
 
 Rewrite = Callable[..., Node | None]
 
@@ -136,7 +137,8 @@ class PatternRewriter:
 
     ``rewrite(**bindings)`` returns a replacement node or ``None`` to decline. A replacement
     whose type differs from the matched node is discarded, so a rule can never change a
-    graph's types. Rules are tried in order; the first that returns a node wins.
+    graph's types. Rules are tried in order; the first that returns a node wins. A rule whose
+    condition depends on the value of a symbolic size (``SymbolicShapeError``) declines.
     """
 
     def __init__(self, rules: Sequence[tuple[P, Rewrite]]) -> None:
@@ -150,10 +152,13 @@ class PatternRewriter:
         """One rewrite of ``node`` by the first rule that applies, or ``None``."""
         for pat, fn in self._by_op.get(node.op, []) + self._by_op.get(None, []):
             bindings: dict[str, Any] = {}
-            if pat.match(node, bindings):
-                rep = fn(**bindings)
-                if rep is not None and rep is not node and rep.type == node.type:
-                    return rep
+            try:
+                if pat.match(node, bindings):
+                    rep = fn(**bindings)
+                    if rep is not None and rep is not node and rep.type == node.type:
+                        return rep
+            except SymbolicShapeError:  # the rule's condition depends on a symbolic size's value: it declines
+                continue
         return None
 
     def __call__(self, graph: Graph, max_rounds: int = 8, max_local: int = 64) -> Graph:
