@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sextant.frontend.symbols import INDEX_MAX, _finite
+from sextant.frontend.symbols import INDEX_MAX, finite_bound
 
 log = logging.getLogger("sextant.dynamo")
 OPTIONS = ("target", "arch", "pipeline", "fallback")
@@ -201,8 +201,8 @@ def _size_plan(gm: torch.fx.GraphModule) -> _SizePlan | None:
             axes.setdefault(i, {})[axis] = expr.name
             where.setdefault(expr.name, (i, axis))
             vr = d.node.shape_env.var_to_range.get(expr)
-            lo = _finite(vr.lower, 2) if vr is not None else 2  # Dynamo specialises sizes 0 and 1
-            hi = _finite(vr.upper, INDEX_MAX) if vr is not None else INDEX_MAX
+            lo = finite_bound(vr.lower, 2) if vr is not None else 2  # Dynamo specialises sizes 0 and 1
+            hi = finite_bound(vr.upper, INDEX_MAX) if vr is not None else INDEX_MAX
             ranges[expr.name] = (lo, hi if hi < INDEX_MAX else None)
     sizes: dict[int, tuple[int, int]] = {}
     for i, v in enumerate(vals):

@@ -17,8 +17,7 @@ from typing import Any
 import sympy
 import torch
 
-from sextant.graph.symbolic import Dim, SymbolicShapeError, make_dim
-from sextant.graph.symbolic import _symbol as sextant_symbol
+from sextant.graph.symbolic import Dim, SymbolicShapeError, make_dim, sympy_symbol
 
 INDEX_MAX = 2**31 - 1
 
@@ -36,8 +35,8 @@ class TorchSymbols:
             if name in taken:
                 name = sym.name
             taken.add(name)
-            lo, hi = _finite(vr.lower, 0), _finite(vr.upper, INDEX_MAX)
-            self.rename[sym] = sextant_symbol(name)
+            lo, hi = finite_bound(vr.lower, 0), finite_bound(vr.upper, INDEX_MAX)
+            self.rename[sym] = sympy_symbol(name)
             self.bounds[sym.name] = (name, lo, min(hi, INDEX_MAX))
 
     def dim(self, d: Any) -> Dim:
@@ -58,7 +57,7 @@ class TorchSymbols:
         return tuple(self.dim(d) for d in shape)
 
 
-def _finite(v: Any, default: int) -> int:
+def finite_bound(v: Any, default: int) -> int:
     """A range end as an int; ``default`` for torch's infinities (``int_oo``, which ``int()`` fails on)."""
     if isinstance(v, int) or getattr(v, "is_Integer", False):
         return int(v)

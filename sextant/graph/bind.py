@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 from sextant.errors import InputError
 from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.ops import IRTypeError
-from sextant.graph.printer import graph_symbols
-from sextant.graph.symbolic import SymbolicShapeError, SymDim, describe, substitute
+from sextant.graph.symbolic import SymbolicShapeError, SymDim, describe, graph_symbols, substitute
 
 
 def is_symbolic_graph(graph: Graph) -> bool:

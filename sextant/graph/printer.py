@@ -23,7 +23,7 @@ import re
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import SOURCES
-from sextant.graph.symbolic import describe, symbols_of
+from sextant.graph.symbolic import describe, graph_symbols
 
 _IMPLIED = {op: ("shape", "dtype") for op in SOURCES} | {"cast": ("dtype",)}
 _IMPLIED["input"] = ("shape", "dtype", "name", "index")
@@ -80,11 +80,6 @@ def print_graph(graph: Graph, *, show_loc: bool = True) -> str:
     lines.append(f"  return ({outs})")
     lines.append("}")
     return "\n".join(lines)
-
-
-def graph_symbols(graph: Graph) -> tuple[tuple[str, int, int], ...]:
-    """Every symbol a graph's types and attributes mention, with its range, sorted by name."""
-    return symbols_of([n.type.shape for n in graph.nodes] + [v for n in graph.nodes for _, v in n.attrs])
 
 
 def format_node(node: Node, names: dict[int, str], *, show_loc: bool = True) -> str:

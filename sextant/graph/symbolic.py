@@ -31,7 +31,7 @@ class SymbolicShapeError(SextantError):
 Bounds = tuple[tuple[str, int, int], ...]  # (symbol name, min, max), sorted by name
 
 
-def _symbol(name: str) -> sympy.Symbol:
+def sympy_symbol(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, nonnegative=True)
 
 
@@ -55,7 +55,7 @@ class SymDim:
     def symbol(name: str, lo: int, hi: int) -> SymDim:
         if not (0 <= lo <= hi):
             raise SymbolicShapeError(f"symbol {name}: range [{lo}, {hi}] is empty or negative")
-        return SymDim(_symbol(name), ((name, int(lo), int(hi)),))
+        return SymDim(sympy_symbol(name), ((name, int(lo), int(hi)),))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -114,7 +114,7 @@ class SymDim:
         """The least and greatest value the declared ranges allow."""
         from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-        vr = bound_sympy(self.expr, {_symbol(n): ValueRanges(lo, hi) for n, lo, hi in self.bounds})
+        vr = bound_sympy(self.expr, {sympy_symbol(n): ValueRanges(lo, hi) for n, lo, hi in self.bounds})
         return _num(vr.lower), _num(vr.upper)
 
     def _decide(self, other: object, op: str) -> bool:
@@ -151,7 +151,7 @@ class SymDim:
         missing = [n for n in self.names if n not in values]
         if missing:
             raise SymbolicShapeError(f"no value for symbol(s) {', '.join(missing)} of size {self}")
-        v = self.expr.subs({_symbol(n): int(values[n]) for n in self.names})
+        v = self.expr.subs({sympy_symbol(n): int(values[n]) for n in self.names})
         return int(v)
 
     def __str__(self) -> str:
@@ -231,6 +231,11 @@ def substitute(v: Any, values: Mapping[str, int]) -> Any:
     return v
 
 
+def graph_symbols(graph: Any) -> Bounds:
+    """Every symbol a graph's types and attributes mention, with its range, sorted by name."""
+    return symbols_of([n.type.shape for n in graph.nodes] + [v for n in graph.nodes for _, v in n.attrs])
+
+
 def describe(bounds: Bounds) -> str:
     return ", ".join(f"{n} in [{lo}, {hi}]" for n, lo, hi in bounds)
 
@@ -240,7 +245,7 @@ def parse_dim(text: str, bounds: Bounds) -> Dim:
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)
-    local = {n: _symbol(n) for n, _, _ in bounds}
+    local = {n: sympy_symbol(n) for n, _, _ in bounds}
     try:
         expr = sympy.sympify(text, locals=local)
     except (sympy.SympifyError, SyntaxError, TypeError) as e:

@@ -19,9 +19,9 @@ from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 from sextant.graph.ops import TensorType
 from sextant.graph.parser import ParseError, parse_graph
-from sextant.graph.printer import graph_symbols, print_graph
+from sextant.graph.printer import print_graph
 from sextant.graph.reference import run_graph
-from sextant.graph.symbolic import SymbolicShapeError, SymDim, parse_dim
+from sextant.graph.symbolic import SymbolicShapeError, SymDim, graph_symbols, parse_dim
 from sextant.graph.verifier import VerificationError, verify
 
 BATCH = SymDim.symbol("batch", 1, 8)
