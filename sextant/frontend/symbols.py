@@ -66,8 +66,9 @@ def finite_bound(v: Any, default: int) -> int:
 
 def declared_names(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None,
                    dynamic_shapes: Any, ep: torch.export.ExportedProgram) -> dict[str, str]:
-    """torch's symbol name → the name of the ``Dim`` declared for it, for tensor arguments given
-    directly (not nested in lists or dicts); anything else keeps torch's name."""
+    """torch's symbol name → the name of the ``Dim`` declared for it (``seq``; for ``Dim.DYNAMIC`` or
+    ``Dim.AUTO``, the argument and axis: ``x_dim1``), for tensor arguments given directly (not
+    nested in lists or dicts); anything else keeps torch's name."""
     if dynamic_shapes is None:
         return {}
     try:
@@ -75,28 +76,30 @@ def declared_names(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, An
         bound = sig.bind(*args, **dict(kwargs or {}))
     except (TypeError, ValueError):
         return {}
-    pairs: list[tuple[Any, Any]] = []  # (argument value, its spec), as torch.export pairs them
+    pairs: list[tuple[str, Any, Any]] = []  # (argument's name, value, its spec), as torch.export pairs them
     for i, (name, value) in enumerate(bound.arguments.items()):
         if isinstance(dynamic_shapes, Mapping):
             spec = dynamic_shapes.get(name)
         else:
             spec = dynamic_shapes[i] if isinstance(dynamic_shapes, (tuple, list)) and i < len(dynamic_shapes) else None
         if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL and isinstance(spec, (tuple, list)):
-            pairs += list(zip(value, spec))
+            pairs += [(f"{name}{j}", v, sp) for j, (v, sp) in enumerate(zip(value, spec))]
         else:
-            pairs.append((value, spec))
-    specs = [spec for value, spec in pairs if isinstance(value, torch.Tensor)]
-    if len(specs) != len(pairs):
+            pairs.append((name, value, spec))
+    if not all(isinstance(value, torch.Tensor) for _, value, _ in pairs):
         return {}  # nested arguments: where each tensor lands among the flat inputs is not tracked here
     vals = [n.meta.get("val") for n, s in zip(ep.graph.nodes, ep.graph_signature.input_specs)
             if n.op == "placeholder" and s.kind.name == "USER_INPUT"]
     out: dict[str, str] = {}
-    for spec, val in zip(specs, (v for v in vals if isinstance(v, torch.Tensor))):
+    for (label, _, spec), val in zip(pairs, (v for v in vals if isinstance(v, torch.Tensor))):
         items = (spec.items() if isinstance(spec, Mapping)
                  else enumerate(spec) if isinstance(spec, (tuple, list)) else ())
         for axis, dim in items:
-            name = getattr(dim, "__name__", None)
+            if dim is None:
+                continue
+            # a Dim is named by its user; a hint (Dim.DYNAMIC, Dim.AUTO) after its argument and axis
+            name = getattr(dim, "__name__", None) or f"{label}_dim{axis}"
             size = val.shape[axis] if axis < val.dim() else None
-            if name and isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol and name.isidentifier():
                 out.setdefault(size.node.expr.name, name)
     return out

@@ -209,3 +209,17 @@ def test_passes_run_on_symbolic_graphs() -> None:
     for shape in [(1, 5), (3, 33)]:
         x = torch.randint(0, 1000, shape)
         torch.testing.assert_close(run_graph(opt, [x]), run_graph(g, [x]), rtol=1e-5, atol=1e-5)
+
+
+def test_dim_hints_are_named_after_their_argument() -> None:
+    """``Dim.DYNAMIC``/``Dim.AUTO`` have no name: their symbols read ``x_dim0`` rather than torch's
+    hash-named ``s77``; torch gives them a minimum of 2."""
+    class Scores(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x @ x.transpose(-1, -2)).softmax(-1)
+
+    g = sextant.capture(Scores(), (torch.randn(2, 5, 4),), dynamic_shapes={"x": {0: Dim.DYNAMIC, 1: Dim.AUTO}})
+    assert print_graph(g).splitlines()[0] == ("graph @Scores(%x: f32[x_dim0,x_dim1,4]) where "
+                                              "x_dim0 in [2, 2147483647], x_dim1 in [2, 2147483647] {")
+    x = torch.randn(3, 7, 4)
+    torch.testing.assert_close(run_graph(g, [x])[0], Scores()(x))
