@@ -171,7 +171,7 @@ class _SizePlan:
     tensor input's symbolic axes (symbol name per axis, with its range), and for each size input
     (a ``SymInt`` Dynamo passes) the tensor input and axis that hold the same size."""
 
-    axes: dict[int, dict[int, str]]  # graph input index -> {axis: symbol}
+    axes: dict[int, dict[int, tuple[str, int, int]]]  # graph input index -> {axis: (symbol, a, b)}: a*symbol + b
     sizes: dict[int, tuple[int, int]]  # graph input index of a size -> (tensor input index, axis)
     ranges: dict[str, tuple[int, int | None]]
 
@@ -181,10 +181,11 @@ class _SizePlan:
 
 
 def _size_plan(gm: torch.fx.GraphModule) -> _SizePlan | None:
-    """The plan, from the graph's placeholders' fake values; None when a size is not a plain symbol
-    that some tensor dimension holds (then the graph compiles per concrete shape)."""
+    """The plan, from the graph's placeholders' fake values; None when a tensor size is not linear in
+    one symbol, or a size input is not a symbol some tensor dimension holds as it is (then the graph
+    compiles per concrete shape)."""
     vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    axes: dict[int, dict[int, str]] = {}
+    axes: dict[int, dict[int, tuple[str, int, int]]] = {}
     where: dict[str, tuple[int, int]] = {}
     ranges: dict[str, tuple[int, int | None]] = {}
     for i, v in enumerate(vals):
@@ -196,14 +197,22 @@ def _size_plan(gm: torch.fx.GraphModule) -> _SizePlan | None:
             expr = d.node.expr
             if expr.is_Integer:
                 continue
-            if not expr.is_Symbol:
-                return None  # a derived size (2*s0): not expressed as torch.export Dims here
-            axes.setdefault(i, {})[axis] = expr.name
-            where.setdefault(expr.name, (i, axis))
-            vr = d.node.shape_env.var_to_range.get(expr)
+            if len(expr.free_symbols) != 1:
+                return None  # a size over two symbols (s0*s1): not a torch.export Dim
+            (sym,) = expr.free_symbols
+            poly = expr.as_poly(sym)
+            if poly is None or poly.degree() != 1 or not all(c.is_Integer for c in poly.all_coeffs()):
+                return None
+            a, b = (int(c) for c in poly.all_coeffs())
+            if a < 1:
+                return None
+            axes.setdefault(i, {})[axis] = (sym.name, a, b)  # a derived size (2*s0 after a concat): a*Dim + b
+            if (a, b) == (1, 0):
+                where.setdefault(sym.name, (i, axis))
+            vr = d.node.shape_env.var_to_range.get(sym)
             lo = finite_bound(vr.lower, 2) if vr is not None else 2  # Dynamo specialises sizes 0 and 1
             hi = finite_bound(vr.upper, INDEX_MAX) if vr is not None else INDEX_MAX
-            ranges[expr.name] = (lo, hi if hi < INDEX_MAX else None)
+            ranges[sym.name] = (lo, hi if hi < INDEX_MAX else None)
     sizes: dict[int, tuple[int, int]] = {}
     for i, v in enumerate(vals):
         if isinstance(v, torch.SymInt):
@@ -230,7 +239,10 @@ class _Sized(torch.nn.Module):
 
         dims = {name: Dim(name, min=lo, max=hi) if hi is not None else Dim(name, min=lo)
                 for name, (lo, hi) in self.plan.ranges.items()}
-        return {"tensors": tuple({axis: dims[name] for axis, name in self.plan.axes.get(i, {}).items()} or None
+        def dim(name: str, a: int, b: int) -> Any:
+            return dims[name] if (a, b) == (1, 0) else a * dims[name] + b
+
+        return {"tensors": tuple({axis: dim(*spec) for axis, spec in self.plan.axes.get(i, {}).items()} or None
                                  for i in self.tensor_args)}
 
     def forward(self, *tensors: torch.Tensor) -> Any:

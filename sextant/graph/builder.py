@@ -71,8 +71,10 @@ class GraphBuilder:
 
     def full(self, value: int | float | bool, shape: Sequence[int], dtype: DType) -> Node:
         if isinstance(value, SymDim):  # a symbolic size as a tensor value (e.g. wrapping a negative index)
-            if not dtype.is_int:
-                raise SymbolicShapeError(f"the size {value} as a {dtype.value} value: only integer fills are symbolic")
+            if dtype == DType.bool:
+                raise SymbolicShapeError(f"the size {value} as a bool value")
+            if not dtype.is_int:  # x * x.shape[1]: the size as an integer fill, cast (as torch converts it)
+                return self.cast(self.emit("full", value=value, shape=tuple(shape), dtype=DType.i64), dtype)
         else:
             value = bool(value) if dtype == DType.bool else int(value) if dtype.is_int else float(value)
         return self.emit("full", value=value, shape=tuple(shape), dtype=dtype)

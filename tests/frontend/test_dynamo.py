@@ -169,3 +169,21 @@ def test_entry_point_in_a_fresh_process() -> None:
             "import sextant.frontend.dynamo as d\nassert d.STATS.compiled == 1, d.STATS\nprint('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+class _ConcatThenBreak(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([x, x * 2], 1)
+        print("graph break")  # the point of the test
+        return x.softmax(1) * x.shape[1]
+
+
+def test_derived_sizes_after_a_graph_break_capture_once() -> None:
+    """The graph after the break takes a tensor of size 2*s (a derived torch.export Dim) and uses
+    its size as a float scale: both graphs are captured once and serve every size."""
+    model = _ConcatThenBreak()
+    compiled = torch.compile(model, backend="sextant", dynamic=True)
+    for n in (3, 5, 8):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert [g.reason for g in dyn.STATS.graphs] == ["symbolic shapes: one capture"] * 2

@@ -152,8 +152,10 @@ def test_size_as_an_integer_value() -> None:
     assert "full() {value=seq} : i64[seq]" in print_graph(g)
     out, = run_graph(g, [torch.arange(5)])
     assert out.tolist() == [5, 6, 7, 8, 9]
-    with pytest.raises(SymbolicShapeError, match="only integer fills"):
-        b.full(SEQ, (2,), DType.f32)
+    scaled = b.mul(b.input("y", (SEQ,), DType.f32), SEQ)  # x * x.shape[0]: an integer fill, cast
+    assert scaled.inputs[1].op == "cast" and scaled.inputs[1].inputs[0].op == "full"
+    with pytest.raises(SymbolicShapeError, match="as a bool value"):
+        b.full(SEQ, (2,), DType.bool)
 
 
 def test_lowering_that_needs_a_concrete_size_names_the_op() -> None:
