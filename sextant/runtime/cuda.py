@@ -36,7 +36,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -244,16 +244,23 @@ class CudaRunner:
                 tensors[b.index] = torch.empty(b.node.shape, dtype=b.node.dtype.torch, device=self.device)
         return tensors, {b.index: tensors[b.index].data_ptr() for b in p.buffers if b.kind in PER_CALL_KINDS}
 
-    def profile(self, inputs: Sequence[torch.Tensor], repeats: int = 20) -> list[float]:
-        """Seconds per launch, in plan order: after one whole forward has filled every buffer, each
-        launch is issued ``repeats`` times back to back between two CUDA events (so a launch costs
-        what it costs on the GPU, without the host's launch overhead between kernels)."""
+    @contextlib.contextmanager
+    def _call(self, inputs: Sequence[torch.Tensor]) -> Iterator[tuple[int, dict[int, torch.Tensor], dict[int, int]]]:
+        """One call's setting: the lock held, the device and primary context current (the calling
+        thread may never have used this GPU, or have another context current); yields torch's
+        stream, every buffer's tensor and the per-call addresses."""
         if getattr(self, "_module", None) is None:
             raise CudaError(f"{self!r} was closed")
         with self._lock, self._on_device():
             self._drv("cuCtxSetCurrent", self._context, what="making the primary context current")
             stream = self._stream()
-            tensors, addresses = self._tensors(inputs)
+            yield (stream, *self._tensors(inputs))
+
+    def profile(self, inputs: Sequence[torch.Tensor], repeats: int = 20) -> list[float]:
+        """Seconds per launch, in plan order: after one whole forward has filled every buffer, each
+        launch is issued ``repeats`` times back to back between two CUDA events (so a launch costs
+        what it costs on the GPU, without the host's launch overhead between kernels)."""
+        with self._call(inputs) as (stream, tensors, addresses):
             self._run_launches(addresses, stream)
             handle, out = self._stream_handle(stream), []
             for s, block in zip(self.plan.launches, self._blocks):
@@ -265,17 +272,11 @@ class CudaRunner:
                 end.record()
                 out.append(start.seconds_to(end) / repeats)
             del tensors
-            return out
+        return out
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
-        if getattr(self, "_module", None) is None:
-            raise CudaError(f"{self!r} was closed")
-        with self._lock, self._on_device():
-            # the calling thread may never have used this GPU (or have another context current)
-            self._drv("cuCtxSetCurrent", self._context, what="making the primary context current")
-            stream = self._stream()
-            tensors, addresses = self._tensors(inputs)
+        with self._call(inputs) as (stream, tensors, addresses):
             if self.use_graph and self.plan.launches:
                 self._run_graph(addresses, stream)
             else:
