@@ -20,7 +20,10 @@ softmax but fails one, the reason is returned for the schedule dump.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import is_elementwise
@@ -150,7 +153,7 @@ def match_attention(graph: Graph, users: dict[Node, list[Node]]) -> tuple[list[A
         except _NoMatch:
             continue
         try:
-            found.append(_match(out, div, above, guard_max, users, outputs, taken, pos))
+            found.append(_match(out, div, above, guard_max, users, outputs, taken, pos, graph.params))
             taken.update(id(m) for m in found[-1].members)
         except _NoMatch as why:
             refused.append((out, str(why)))
@@ -158,7 +161,7 @@ def match_attention(graph: Graph, users: dict[Node, list[Node]]) -> tuple[list[A
 
 
 def _match(out: Node, div: Node, above: list[Node], guard_max: Node | None, users: dict[Node, list[Node]],
-           outputs: set[int], taken: set[int], pos: dict[Node, int]) -> Attention:
+           outputs: set[int], taken: set[int], pos: dict[Node, int], params: Mapping[str, torch.Tensor]) -> Attention:
     e, sx = div.inputs
     s = _strip_expand(sx)
     if not (e.op == "exp" and _last_axis_reduce(s, "sum") and s.inputs[0] is e):
@@ -195,7 +198,7 @@ def _match(out: Node, div: Node, above: list[Node], guard_max: Node | None, user
                            "outside the attention")
     order = sorted(members.values(), key=pos.__getitem__)
     return Attention(scores, z, m, e, s, out.inputs[0], out, guard_max is not None, tuple(order),
-                     any(_causal_where(n) for n in path))
+                     any(_causal_where(n) or _causal_table(n, params) for n in path))
 
 
 def _iota_axis(n: Node) -> int | None:
@@ -214,6 +217,71 @@ def _causal_where(n: Node) -> bool:
         return False
     a, b = (_iota_axis(x) for x in cond.inputs)
     return (a, b) == ((-1, -2) if cond.op == "le" else (-2, -1))
+
+
+def _causal_table(n: Node, params: Mapping[str, torch.Tensor]) -> bool:
+    """``x + mask`` or ``where(mask, x, lowest)`` with ``mask`` a constant (computed from params,
+    ``full`` and ``iota`` only) that is the causal pattern, the same matrix for every batch and
+    head: additive — 0 where key <= query, the dtype's lowest value (or -inf) above the diagonal
+    (transformers' folded mask: GPT-2's eager attention) — or boolean — true on and below the
+    diagonal. A hidden logit is then at most ``x - 65504`` (or -inf), whose exp underflows to
+    exactly 0 beside any visible row max, so key tiles past the diagonal can be skipped as for
+    ``where(key <= query, x, -inf)``. The mask is evaluated once, at schedule time."""
+    q, k = n.shape[-2:] if n.type.rank >= 2 else (0, 0)
+    if q != k or q < 2:
+        return False
+    visible = torch.ones(q, k, dtype=torch.bool).tril()
+    if n.op == "add":
+        for table in n.inputs:
+            t = _constant_tensor(_strip_expand(table), params)
+            if t is None or not t.dtype.is_floating_point or tuple(t.shape[-2:]) != (q, k):
+                continue
+            rows = t.reshape(-1, q, k)
+            first, lowest = rows[0], torch.finfo(t.dtype).min
+            hidden = first[~visible]
+            if (bool((first[visible] == 0).all()) and bool(((hidden == lowest) | (hidden == -math.inf)).all())
+                    and bool((rows == first).all())):
+                return True
+    if n.op == "where" and n.inputs[2].op == "full" and n.dtype.is_float:
+        fill = n.inputs[2].attr("value")
+        if fill not in (-math.inf, torch.finfo(n.dtype.torch).min):
+            return False
+        t = _constant_tensor(_strip_expand(n.inputs[0]), params)
+        if t is not None and t.dtype == torch.bool and tuple(t.shape[-2:]) == (q, k):
+            rows = t.reshape(-1, q, k)
+            return bool((rows == visible).all())
+    return False
+
+
+def _constant_tensor(n: Node, params: Mapping[str, torch.Tensor], limit: int = 1 << 22) -> torch.Tensor | None:
+    """The value of ``n`` when it is computed from params, ``full`` and ``iota`` only and no value
+    on the way has more than ``limit`` elements (evaluated with the reference executor); else None."""
+    from types import SimpleNamespace
+
+    from sextant.graph.reference import eval_node
+
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack = [(n, False)]
+    while stack:
+        x, done = stack.pop()
+        if done:
+            order.append(x)
+            continue
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.op == "input" or not isinstance(x.type.numel, int) or x.type.numel > limit:
+            return None
+        stack.append((x, True))
+        stack.extend((i, False) for i in x.inputs)
+    graph = SimpleNamespace(params=params)
+    values: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for x in order:
+            if id(x) not in values:
+                values[id(x)] = eval_node(x, [values[id(i)] for i in x.inputs], graph)  # type: ignore[arg-type]
+    return values[id(n)]
 
 
 def _role(n: Node, scores: Node, m: Node, s: Node, div: Node) -> str:

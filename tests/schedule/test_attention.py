@@ -230,3 +230,53 @@ def test_half_llama_attention_on_tensor_cores(dtype: torch.dtype) -> None:
     got = cm(ids).float()
     err = (got - want).abs().max().item()
     assert err <= 8 * torch.finfo(dtype).eps * want.abs().max().item(), err
+
+
+class TableMasked(nn.Module):
+    """Attention whose mask is a constant table, as transformers folds it: additive (0 / the
+    dtype's lowest value) or boolean through ``where``."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        w = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if self.table.dtype == torch.bool:
+            w = torch.where(self.table, w, torch.finfo(w.dtype).min)
+        else:
+            w = w + self.table
+        return torch.softmax(w.float(), dim=-1).to(v.dtype) @ v
+
+
+def _tables(s: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, bool]]:
+    """name -> (mask table, whether it is the causal pattern)."""
+    low = torch.finfo(dtype).min
+    tril = torch.ones(s, s, dtype=torch.bool).tril()
+    additive = torch.zeros(2, 1, s, s, dtype=dtype).masked_fill(~tril, low)
+    padded = additive.clone()
+    padded[1, :, :, -3:] = low  # batch 1 also hides its last 3 keys: not causal
+    return {"additive": (additive, True), "bool": (tril[None, None].expand(2, 1, s, s).clone(), True),
+            "padded": (padded, False), "shifted": (torch.zeros(2, 1, s, s, dtype=dtype).masked_fill(
+                ~torch.ones(s, s, dtype=torch.bool).tril(1), low), False)}
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+@pytest.mark.parametrize("name", ["additive", "bool", "padded", "shifted"])
+def test_causal_mask_tables_skip_the_masked_key_tiles(target: str, name: str) -> None:
+    """A constant mask table is evaluated at schedule time: the causal pattern (GPT-2's folded
+    additive mask, a boolean tril) skips the tiles past the diagonal like an iota mask, anything
+    else (padding, a shifted diagonal) computes every tile; both match eager."""
+    from sextant.codegen.counters import count_program
+
+    dtype = torch.float16 if target == "cuda-sim" else torch.float32
+    table, causal = _tables(320, dtype)[name]
+    model = TableMasked(table)
+    q, k, v = (torch.randn(2, 2, 320, 16).to(dtype) for _ in range(3))
+    cm = sextant.compile(model, (q, k, v), target=target, cache=False)
+    attention = [g for g in cm.stages["program"].groups if g.kind == "attention"]
+    assert len(attention) == 1 and attention[0].attention.causal is causal
+    torch.testing.assert_close(cm(q, k, v).float(), _eager_f32(model, (q, k, v)), rtol=TOL[dtype], atol=TOL[dtype])
+    if target == "cuda-sim":  # 4 batch-heads x 5 query tiles x (causal: 2..10, else 10) key tiles of 32
+        (counted,) = [c for n, c in count_program(cm.stages["program"], (q, k, v)).items() if "attention" in n]
+        assert counted.mma_instructions == 4 * (30 if causal else 50) * 32, counted.summary()
