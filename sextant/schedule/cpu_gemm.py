@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
-from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Store, Var
+from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Select, Store, Var
 from sextant.schedule.indexing import Index, ValueEmitter, c, delinearize, iadd, idiv, imin, imod, imul
 
 RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
@@ -47,6 +47,7 @@ class Gemm:
     block_n: int
     pack: bool = False  # copy each strip of B into a local buffer on its first row tile
     n_store: int | None = None  # columns that exist (default n)
+    k_block: int = 0  # walk K in blocks of this many (0: all of K at once); see gemm_kernel
 
 
 def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: Expr) -> Kernel:
@@ -61,6 +62,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     acc = Buffer("acc", acc_t, mr * nr, "local")
     tile = Buffer("tile", acc_t, mr * nr, "local")
     packed = Buffer("bpack", acc_t, max(1, k * bn_), "local")
+    kc = g.k_block if 0 < g.k_block < k else 0
+    part = Buffer("part", acc_t, bm_ * nr, "local")  # a strip's partial sums between K blocks
 
     def as_acc(v: Expr) -> Expr:
         return v if v.dtype == acc_t else Cast(v, acc_t)
@@ -81,8 +84,18 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
             body()
         e.emit(If(cond, tuple(then)))
 
-    def fast(bidx: Index, i0: Expr, j0: Expr, strip: Expr, base: Expr, packing: bool) -> None:
-        loop(mr * nr, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+    def fast(bidx: Index, i0: Expr, j0: Expr, strip: Expr, base: Expr, packing: bool,
+             kb: Expr | None = None, rt: Expr | None = None) -> None:
+        """One micro-tile: over all of K, or (``kb``) over the K block from ``kb``, starting from
+        and ending in the row tile ``rt``'s partial sums unless it is the first / last block."""
+        if kb is None:
+            loop(mr * nr, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+        else:
+            slot0 = e.bind(imul(rt, mr * nr), "ps")
+            first_block = Binary("eq", kb, c(0), DType.bool)
+            partial = lambda u: Load("part", iadd(slot0, u), acc_t)
+            loop(mr * nr, lambda u: e.emit(Store("acc", u, Select(first_block, zero, partial(u), acc_t))), "u",
+                 unroll=True)
         first = [iadd(i0, c(r)) if m % mr == 0 or r == 0 else imin(iadd(i0, c(r)), c(m - 1)) for r in range(mr)]
         readers = g.rows(bidx, i0, mr) if m % mr == 0 else _clamped_rows(g, bidx, first)
 
@@ -104,20 +117,34 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
 
             loop(nr, col, "j", unroll=True)
 
-        loop(k, kstep, "k")
-        loop(mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
+        if kb is None:
+            loop(k, kstep, "k")
+        else:
+            loop(0, kstep, "k", start=kb, stop=imin(iadd(kb, c(kc)), c(k)))
 
-        def out_row(r: Var) -> None:
-            i = iadd(i0, r)
+        def finish() -> None:
+            loop(mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
 
-            def out_col(j: Var) -> None:
-                jj = iadd(j0, j)
-                guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
-                        lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
+            def out_row(r: Var) -> None:
+                i = iadd(i0, r)
 
-            guarded(Binary("lt", i, c(m), DType.bool) if m % mr else None, lambda: loop(nr, out_col, "j"))
+                def out_col(j: Var) -> None:
+                    jj = iadd(j0, j)
+                    guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
+                            lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
 
-        loop(mr, out_row, "r")
+                guarded(Binary("lt", i, c(m), DType.bool) if m % mr else None, lambda: loop(nr, out_col, "j"))
+
+            loop(mr, out_row, "r")
+
+        if kb is None:
+            finish()
+            return
+        with e.scope() as last:
+            finish()
+        with e.scope() as keep:
+            loop(mr * nr, lambda u: e.emit(Store("part", iadd(slot0, u), Load("acc", u, acc_t))), "u", unroll=True)
+        e.emit(If(Binary("ge", iadd(kb, c(kc)), c(k), DType.bool), tuple(last), tuple(keep)))
 
     def edge(bidx: Index, i0: Expr, j0: Expr) -> None:
         def row(i: Var) -> None:
@@ -151,16 +178,16 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
             strip = e.bind(iadd(imul(bn, bn_ // nr), s), "strip")
             base = e.bind(imul(s, k * nr), "sb")
 
-            def micro(i0: Var) -> None:
+            def micro(i0: Expr, kb: Expr | None = None, rt: Expr | None = None) -> None:
                 def then() -> None:
                     if g.pack:  # the block's first row tile of a strip packs it, the others read the copy
                         with e.scope() as first:
-                            fast(bidx, i0, j0, strip, base, packing=True)
+                            fast(bidx, i0, j0, strip, base, True, kb, rt)
                         with e.scope() as rest:
-                            fast(bidx, i0, j0, strip, base, packing=False)
+                            fast(bidx, i0, j0, strip, base, False, kb, rt)
                         e.emit(If(Binary("eq", i0, istart, DType.bool), tuple(first), tuple(rest)))
                     else:
-                        fast(bidx, i0, j0, strip, base, packing=False)
+                        fast(bidx, i0, j0, strip, base, False, kb, rt)
 
                 if n % nr == 0:
                     then()
@@ -171,7 +198,18 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                     edge(bidx, i0, j0)
                 e.emit(If(Binary("le", iadd(j0, c(nr)), c(n), DType.bool), tuple(fast_path), tuple(orelse)))
 
-            loop(0, micro, "i0", start=istart, stop=imin(iadd(istart, c(bm_)), c(m)), step=mr)
+            if not kc:
+                loop(0, micro, "i0", start=istart, stop=imin(iadd(istart, c(bm_)), c(m)), step=mr)
+                return
+
+            def k_block(kb: Var) -> None:  # every row tile of the strip over this K block
+                def row_tile(rt: Var) -> None:
+                    micro(e.bind(iadd(istart, imul(rt, mr)), "i0"), kb, rt)
+
+                tiles = imin(c(bm_ // mr), idiv(iadd(c(m + mr - 1), imul(istart, -1)), mr))
+                loop(0, row_tile, "rt", stop=tiles)
+
+            loop(0, k_block, "kb", stop=c(k), step=kc)
 
         if n % bn_ == 0:
             loop(bn_ // nr, panel, "s")
@@ -180,8 +218,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
 
     if m and n and nb:
         block(bid)
-    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts),
-                  local=(acc, tile, packed) if g.pack else (acc, tile))
+    local = (acc, tile) + ((packed,) if g.pack else ()) + ((part,) if kc else ())
+    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts), local=local)
 
 
 def _clamped_rows(g: Gemm, bidx: Index, rows: list[Expr]) -> list[RowReader]:
