@@ -169,14 +169,7 @@ class GraphBuilder:
         axes = [a % x.type.rank for a in axes] if x.type.rank else []
         count = math.prod(x.shape[a] for a in set(axes))
         s = self.reduce("sum", x, axes, keepdim)
-        return self.div(s, self.count(count, s)) if count else self.mul(s, float("nan"))
-
-    def count(self, n: int | SymDim, like: Node) -> float | Node:
-        """An element count as a divisor for ``like``: a Python float, or for a symbolic size the
-        size as an integer fill cast to ``like``'s dtype (``full() {value=seq}`` → ``cast``)."""
-        if isinstance(n, SymDim):
-            return self.cast(self.full(n, like.shape, DType.i64), like.dtype)
-        return float(n)
+        return self.div(s, count) if count else self.mul(s, float("nan"))  # a symbolic count: see full()
 
     # -- movement --------------------------------------------------------------------------
     def reshape(self, x: Node, shape: Sequence[int]) -> Node:

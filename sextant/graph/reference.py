@@ -8,11 +8,11 @@ does on the CPU (internally in fp32 where torch does, rounded to the result type
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from sextant.graph.ir import Graph, Node
+from sextant.graph.ir import Graph, Node, topo_sort
 
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil,
@@ -146,6 +146,29 @@ def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = No
             raise ValueError("evaluating a param node needs the graph")
         return graph.params[node.attr("name")]
     raise NotImplementedError(f"reference executor: no rule for op {op!r}")
+
+
+def constant_value(x: Node, params: Mapping[str, torch.Tensor],
+                   memo: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """Evaluate ``x`` if no graph input reaches it and its constant subgraph is small (at most 4M
+    elements besides params); else None. ``memo`` keeps values across calls (the ONNX importer
+    evaluates shape chains node by node; the attention matcher a mask table once)."""
+    memo = {} if memo is None else memo
+    if id(x) in memo:
+        return memo[id(x)]
+    order = topo_sort([x])
+    if any(n.op == "input" for n in order):
+        return None
+    if sum(n.type.numel for n in order if n.op != "param") > 1 << 22:
+        return None  # large constant subgraphs stay in the graph (constant folding may still run them)
+    env: dict[int, torch.Tensor] = {}
+    for n in order:
+        if id(n) in memo:
+            env[id(n)] = memo[id(n)]
+            continue
+        env[id(n)] = params[n.attr("name")] if n.op == "param" else eval_node(n, [env[id(i)] for i in n.inputs])
+        memo[id(n)] = env[id(n)]
+    return env[id(x)]
 
 
 def run_graph(graph: Graph, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from sextant.errors import InputError
+from sextant.graph.bind import is_symbolic_graph
 from sextant.graph.ir import Graph
 
 Executor = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
@@ -37,7 +38,7 @@ class CompiledModule:
             (tuple(range(len(g.leaves))), {}))
         self._expected = [(tuple(n.shape), n.dtype.torch) for n in g.inputs]
         # symbolic sizes: the shapes are checked when the executor solves the symbols (graph/bind.py)
-        self._symbolic = any(not isinstance(d, int) for n in g.inputs for d in n.shape)
+        self._symbolic = is_symbolic_graph(g)
 
     def __repr__(self) -> str:
         program = self.stages.get("program")

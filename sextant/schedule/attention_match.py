@@ -27,6 +27,7 @@ import torch
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import is_elementwise
+from sextant.graph.reference import constant_value
 from sextant.kernel.ir import Expr
 from sextant.schedule.indexing import delinearize
 
@@ -220,8 +221,8 @@ def _causal_where(n: Node) -> bool:
 
 
 def _causal_table(n: Node, params: Mapping[str, torch.Tensor]) -> bool:
-    """``x + mask`` or ``where(mask, x, lowest)`` with ``mask`` a constant (computed from params,
-    ``full`` and ``iota`` only) that is the causal pattern, the same matrix for every batch and
+    """``x + mask`` or ``where(mask, x, lowest)`` with ``mask`` a constant (no graph input reaches
+    it: ``reference.constant_value``) that is the causal pattern, the same matrix for every batch and
     head: additive — 0 where key <= query, the dtype's lowest value (or -inf) above the diagonal
     (transformers' folded mask: GPT-2's eager attention) — or boolean — true on and below the
     diagonal. A hidden logit is then at most ``x - 65504`` (or -inf), whose exp underflows to
@@ -233,7 +234,7 @@ def _causal_table(n: Node, params: Mapping[str, torch.Tensor]) -> bool:
     visible = torch.ones(q, k, dtype=torch.bool).tril()
     if n.op == "add":
         for table in n.inputs:
-            t = _constant_tensor(_strip_expand(table), params)
+            t = constant_value(_strip_expand(table), params)
             if t is None or not t.dtype.is_floating_point or tuple(t.shape[-2:]) != (q, k):
                 continue
             rows = t.reshape(-1, q, k)
@@ -246,42 +247,11 @@ def _causal_table(n: Node, params: Mapping[str, torch.Tensor]) -> bool:
         fill = n.inputs[2].attr("value")
         if fill not in (-math.inf, torch.finfo(n.dtype.torch).min):
             return False
-        t = _constant_tensor(_strip_expand(n.inputs[0]), params)
+        t = constant_value(_strip_expand(n.inputs[0]), params)
         if t is not None and t.dtype == torch.bool and tuple(t.shape[-2:]) == (q, k):
             rows = t.reshape(-1, q, k)
             return bool((rows == visible).all())
     return False
-
-
-def _constant_tensor(n: Node, params: Mapping[str, torch.Tensor], limit: int = 1 << 22) -> torch.Tensor | None:
-    """The value of ``n`` when it is computed from params, ``full`` and ``iota`` only and no value
-    on the way has more than ``limit`` elements (evaluated with the reference executor); else None."""
-    from types import SimpleNamespace
-
-    from sextant.graph.reference import eval_node
-
-    order: list[Node] = []
-    seen: set[int] = set()
-    stack = [(n, False)]
-    while stack:
-        x, done = stack.pop()
-        if done:
-            order.append(x)
-            continue
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        if x.op == "input" or not isinstance(x.type.numel, int) or x.type.numel > limit:
-            return None
-        stack.append((x, True))
-        stack.extend((i, False) for i in x.inputs)
-    graph = SimpleNamespace(params=params)
-    values: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
-        for x in order:
-            if id(x) not in values:
-                values[id(x)] = eval_node(x, [values[id(i)] for i in x.inputs], graph)  # type: ignore[arg-type]
-    return values[id(n)]
 
 
 def _role(n: Node, scores: Node, m: Node, s: Node, div: Node) -> str:

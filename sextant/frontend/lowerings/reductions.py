@@ -107,7 +107,7 @@ def _variance(b: GraphBuilder, x: Node, axes: list[int], correction: float) -> t
     if not float(correction).is_integer():  # a symbolic count: Bessel's correction is 0 or 1
         raise Unsupported(f"a fractional correction {correction} over the symbolic count {n}")
     dof = n - int(correction)
-    return b.div(ss, b.count(dof if dof >= 0 else 0, ss)), mean
+    return b.div(ss, dof if dof >= 0 else 0), mean
 
 
 @lower(aten.var.correction)

@@ -21,7 +21,7 @@ from sextant.frontend.lowerings import LOWERINGS, LoweringContext, Unsupported
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node, topo_sort
-from sextant.graph.reference import eval_node
+from sextant.graph.reference import constant_value
 
 Translation = Callable[..., Any]
 
@@ -144,25 +144,6 @@ class _LazyMeta:
         if not self._done:
             self._val, self._done = self._compute(), True
         return self._val
-
-
-def constant_value(x: Node, params: dict[str, torch.Tensor], memo: dict[int, torch.Tensor]) -> torch.Tensor | None:
-    """Evaluate ``x`` with the reference executor if no graph input reaches it (else None)."""
-    if id(x) in memo:
-        return memo[id(x)]
-    order = topo_sort([x])
-    if any(n.op == "input" for n in order):
-        return None
-    if sum(n.type.numel for n in order if n.op != "param") > 1 << 22:
-        return None  # large constant subgraphs stay in the graph (constant folding may still run them)
-    env: dict[int, torch.Tensor] = {}
-    for n in order:
-        if id(n) in memo:
-            env[id(n)] = memo[id(n)]
-            continue
-        env[id(n)] = params[n.attr("name")] if n.op == "param" else eval_node(n, [env[id(i)] for i in n.inputs])
-        memo[id(n)] = env[id(n)]
-    return env[id(x)]
 
 
 def axis(ctx: OnnxContext, x: Node, name: str = "axis", default: int = 0) -> int:
