@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -14,6 +15,7 @@ from sextant.frontend.capture import capture
 from sextant.gcpause import gc_paused
 from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
+from sextant.graph.symbolic import SymbolicShapeError
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.onnx_module import OnnxCompiledModule
 
@@ -23,6 +25,7 @@ TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
 STAGES = ("cache", "capture", "onnx-import", "passes", "schedule", "nvptx", "ptxas", "llvm-cpu", "load")
 StageHook = Callable[[str], AbstractContextManager[Any]]
 PLANNED_TARGETS: tuple[str, ...] = ()
+log = logging.getLogger("sextant")
 
 
 def compile(  # mirrors torch.compile
@@ -137,6 +140,14 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
     from sextant.runtime import compile_cache
     from sextant.runtime.specialize import Binding, Specializer
 
+    why_not = symbolic_refusal(target)
+    if why_not is None:
+        try:
+            return _compile_symbolic_cpu(captured, pipeline, print_after_all, stream, _steps(progress))
+        except SymbolicShapeError as e:
+            why_not = str(e)
+    log.info("sextant: @%s is compiled per binding of its sizes: %s", captured.name, why_not)
+
     def compile_bound(graph: Graph, binding: Binding) -> CompiledModule:
         k = compile_cache.binding_key(cache_key, binding) if cache_key else None
         hit = compile_cache.lookup(k) if k else None
@@ -149,8 +160,31 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
         return compiled
 
     spec = Specializer(captured, compile_bound)
-    return CompiledModule(captured, target, spec, stages={"captured": captured, "specializer": spec},
-                          device="cuda" if target == "cuda" else "cpu")
+    return CompiledModule(captured, target, spec, device="cuda" if target == "cuda" else "cpu",
+                          stages={"captured": captured, "specializer": spec, "per_binding": why_not})
+
+
+def symbolic_refusal(target: str) -> str | None:
+    """Why ``target`` cannot compile one program for every size (None: it can try)."""
+    from sextant.codegen.race_check import checks_enabled
+
+    if target != "cpu":
+        return f"target {target!r} has no kernels over symbolic sizes yet (only 'cpu')"
+    if checks_enabled(None):
+        return "the race-checked CPU build checks static kernels only"
+    return None
+
+
+def _compile_symbolic_cpu(captured: Graph, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
+                          step: StageHook) -> CompiledModule:
+    """One program for every binding of the sizes: kernels take the sizes as arguments, the runner
+    binds them (and plans memory) per call. Raises ``SymbolicShapeError`` where a pass or mapping
+    needs a concrete size; the caller then compiles per binding."""
+    from sextant.graph.passes import run_pipeline
+
+    with step("passes"):
+        graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
+    return _compile_cpu(graph, {"captured": captured}, step)
 
 
 def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = None,

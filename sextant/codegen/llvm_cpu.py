@@ -157,7 +157,7 @@ def kernel_key(kernel: Kernel, tm: llvm.TargetMachine, options: PassOptions, vec
     it up): the IR's complete dataclass form, the lowering's source and the vector width, and
     what ``objects.cache_key`` adds (toolchain, host CPU, pass options)."""
     k = kernel
-    ir_form = repr((k.name, k.params, k.grid, k.block, k.body, k.shared, k.local))
+    ir_form = repr((k.name, k.params, k.grid, k.block, k.body, k.shared, k.local, k.sizes))
     return cache_key(f"kernel-ir {_lowering_fingerprint()} {vector_bytes}\n{ir_form}", tm, options)
 
 
@@ -323,6 +323,15 @@ class _KernelLowering(LoweringBase):
         for name, dt in plan.var_types.items():
             n = T if name in plan.per_thread_vars else 1
             self.slots[name] = self._array(reg_type(dt), n, f"r.{name}")
+        for j, size in enumerate(k.sizes):  # after the buffers, each size as a pointer-sized integer
+            slot = self.b.gep(args, [self._i32(len(k.params) + j)], inbounds=True, source_etype=PTR)
+            raw = self.b.ptrtoint(self.b.load(slot, typ=PTR), I64)
+            name = size.var.name
+            if name not in self.slots:  # a size the body never reads
+                continue
+            if name in plan.per_thread_vars:
+                raise self._fail(f"size argument {name} is per-thread")
+            self.b.store(self.b.trunc(raw, I32, name=name), self.slots[name])
         if self.checker is not None:
             self.checker.preamble()
 
@@ -679,6 +688,8 @@ class _KernelLowering(LoweringBase):
         if e.kind == "bdim":
             return self._i32(self.kernel.block[axis])
         if e.kind == "gdim":
+            if self.kernel.sizes:
+                raise self._fail("gdim is per launch in a kernel over symbolic sizes; compute it from the sizes")
             return self._i32(self.kernel.grid[axis])
         raise self._fail(f"unknown special register {e.kind}.{e.axis}")
 

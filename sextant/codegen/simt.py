@@ -343,7 +343,7 @@ def register_types(kernel: Kernel, body: Sequence[Stmt]) -> dict[str, DType]:
     """Every register's dtype (one per name), checking that each is assigned somewhere; shared by the
     CPU (SIMT) and NVPTX lowerings."""
     types: dict[str, DType] = {}
-    assigned: set[str] = set()
+    assigned: set[str] = {s.var.name for s in kernel.sizes}  # size arguments: set on entry
 
     def note(v: Var) -> None:
         if types.setdefault(v.name, v.dtype) != v.dtype:

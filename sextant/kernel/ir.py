@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from sextant.graph.dtypes import DType
+from sextant.graph.symbolic import SymDim
 
 INDEX = DType.i32  # the type of all index arithmetic
 
@@ -263,12 +264,30 @@ def map_operands(s: Stmt, fn: Callable[[Expr], Expr]) -> Stmt:
 
 # -- kernels ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
+class Size:
+    """A symbolic size the kernel takes as a scalar ``i32`` argument (after its buffers), read in the
+    body as ``Var("n_" + name)``; ``lo``/``hi`` are the size's declared range, which range analysis
+    assumes and the runtime checks."""
+
+    name: str
+    lo: int
+    hi: int
+
+    @property
+    def var(self) -> Var:
+        return Var(SIZE_PREFIX + self.name, INDEX)
+
+
+SIZE_PREFIX = "n_"  # a size parameter's register name: ``n_seq`` (emitted registers end in a number)
+
+
+@dataclass(frozen=True, slots=True)
 class Buffer:
     """A kernel argument (global memory), a block's ``shared`` buffer, or a thread's ``local`` array."""
 
     name: str
     dtype: DType
-    size: int  # elements
+    size: int | SymDim  # elements (symbolic only for the global buffers of a kernel with ``sizes``)
     space: str = "global"  # "global" | "shared" | "local"
     role: str = "in"  # for global buffers: "in" | "out" | "inout"
 
@@ -283,6 +302,9 @@ class Kernel:
     shared: tuple[Buffer, ...] = ()
     local: tuple[Buffer, ...] = ()
     meta: dict = field(default_factory=dict, compare=False)  # e.g. the graph nodes it computes
+    # symbolic sizes taken as scalar arguments; with them ``grid`` is a capacity (the grid at the
+    # sizes' upper bounds) and each launch says how many blocks it runs (``kernel/sizes.py``)
+    sizes: tuple[Size, ...] = ()
 
     @property
     def threads_per_block(self) -> int:

@@ -179,8 +179,12 @@ def _decl(b: Buffer) -> str:
 
 def print_kernel(kernel: Kernel) -> str:
     dims = lambda d: "(" + ",".join(map(str, d)) + ")"
-    lines = [f"kernel {kernel.name} grid={dims(kernel.grid)} block={dims(kernel.block)}"]
-    params = ", ".join(f"{p.role} {_decl(p)}" for p in kernel.params)
+    grid = dims(kernel.grid)
+    if kernel.sizes:  # the block count is per launch; the grid is its capacity
+        grid = f"{kernel.meta.get('blocks', kernel.grid[0])} (at most {kernel.grid[0]})"
+    lines = [f"kernel {kernel.name} grid={grid} block={dims(kernel.block)}"]
+    params = ", ".join([f"{p.role} {_decl(p)}" for p in kernel.params] +
+                       [f"size {s.var.name} in [{s.lo}, {s.hi}]" for s in kernel.sizes])
     lines.append(f"{_INDENT}({params})")
     lines += [f"{_INDENT}{b.space} {_decl(b)}" for b in (*kernel.shared, *kernel.local)]
     lines += ["{", *_block(kernel.body, 1), "}"]

@@ -534,13 +534,16 @@ def _constrain(env: Env, e: Expr, lo: int, hi: int, depth: int) -> bool:
 
 # -- kernel-level facts ------------------------------------------------------------------------
 def special_ranges(kernel: Kernel) -> dict[Expr, Interval]:
-    """Thread and block coordinates from the launch shape."""
+    """Thread and block coordinates from the launch shape, and size arguments from their declared
+    ranges (with sizes, ``grid`` is a capacity: the block count is at most that, and ``gdim`` unknown)."""
     out: dict[Expr, Interval] = {}
     for i, axis in enumerate("xyz"):
         out[Special("tid", axis)] = (0, kernel.block[i] - 1)
         out[Special("bid", axis)] = (0, kernel.grid[i] - 1)
         out[Special("bdim", axis)] = (kernel.block[i], kernel.block[i])
-        out[Special("gdim", axis)] = (kernel.grid[i], kernel.grid[i])
+        out[Special("gdim", axis)] = (1, kernel.grid[i]) if kernel.sizes else (kernel.grid[i], kernel.grid[i])
+    for s in kernel.sizes:
+        out[s.var] = (s.lo, min(s.hi, int_range(INDEX)[1]))
     return out
 
 

@@ -96,7 +96,19 @@ def verify_kernel(kernel: Kernel, *, shared_limit: int = DEFAULT_SHARED_LIMIT,
                   scalars: Collection[str] = ()) -> None:
     """Raise :class:`KernelVerificationError` if ``kernel`` is invalid (see the module doc).
 
-    ``scalars`` names registers that are defined on entry (scalar kernel arguments)."""
+    ``scalars`` names registers that are defined on entry (scalar kernel arguments). A kernel over
+    symbolic sizes is checked at the instances ``kernel/sizes.verification_points`` picks (each one
+    exactly: its bounds proofs need the sizes' values)."""
+    if kernel.sizes:
+        from sextant.kernel.sizes import instantiate, verification_points
+
+        for point in verification_points(kernel.sizes):
+            try:
+                verify_kernel(instantiate(kernel, point), shared_limit=shared_limit, scalars=scalars)
+            except KernelVerificationError as e:
+                at = ", ".join(f"{k}={v}" for k, v in point.items())
+                raise KernelVerificationError(f"{e} (at sizes {at})") from None
+        return
     v = _Verifier(kernel, scalars)
     v.check_launch(shared_limit)
     if not v.errors:

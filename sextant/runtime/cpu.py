@@ -12,13 +12,15 @@ import ctypes
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from sextant.errors import SextantError
+from sextant.graph.symbolic import substitute
 from sextant.kernel.ir import Const, For, If, Kernel, Stmt
+from sextant.kernel.sizes import check_binding
 
 KernelFn = Callable[[ctypes.Array, int, int], None]
 _CFUNC = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int32)
@@ -109,21 +111,26 @@ class CpuModule:
         return f"CpuModule({len(self.kernels)} kernels: {', '.join(self.kernels)})"
 
     def launch(self, name: str, buffers: Sequence[torch.Tensor], grid_blocks: int | None = None, *,
-               parallel: bool | None = None) -> None:
-        """Run kernel ``name`` over blocks ``[0, grid_blocks)`` (default: its whole grid)."""
-        self.prepare(name, buffers, grid_blocks, parallel=parallel)()
+               parallel: bool | None = None, sizes: Mapping[str, int] | None = None) -> None:
+        """Run kernel ``name`` over blocks ``[0, grid_blocks)`` (default: its whole grid); ``sizes``:
+        the values of its size arguments, for a kernel over symbolic sizes."""
+        extra = {"sizes": sizes} if sizes else {}  # the checked and counting builds run static kernels only
+        self.prepare(name, buffers, grid_blocks, parallel=parallel, **extra)()
 
     def prepare(self, name: str, buffers: Sequence[torch.Tensor], grid_blocks: int | None = None, *,
-                parallel: bool | None = None) -> Callable[[], None]:
+                parallel: bool | None = None, sizes: Mapping[str, int] | None = None) -> Callable[[], None]:
         """Check the buffers once and return a callable that launches with them (for timing)."""
         if name not in self.kernels:
             raise LaunchError(f"no kernel named {name!r} in this module (it has {', '.join(self.kernels)})")
         kernel = self.kernels[name]
-        self._check(kernel, buffers)
+        values = dict(sizes or {})
+        check_binding(kernel.sizes, values, f"kernel {name}")
+        self._check(kernel, buffers, values)
         nblocks = kernel.num_blocks if grid_blocks is None else grid_blocks
         if not 0 <= nblocks <= kernel.num_blocks:
             raise LaunchError(f"kernel {name}: grid_blocks={nblocks} outside its grid of {kernel.num_blocks} blocks")
-        args = (ctypes.c_void_p * max(1, len(buffers)))(*[t.data_ptr() for t in buffers])
+        args = (ctypes.c_void_p * max(1, len(buffers) + len(kernel.sizes)))(
+            *[t.data_ptr() for t in buffers], *[values[s.name] for s in kernel.sizes])
         fn = self._fns[name]
         keep = tuple(buffers)  # the tensors must outlive every call
         nthreads = workers()
@@ -151,7 +158,7 @@ class CpuModule:
         return run_parallel
 
     @staticmethod
-    def _check(kernel: Kernel, buffers: Sequence[torch.Tensor]) -> None:
+    def _check(kernel: Kernel, buffers: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None) -> None:
         if len(buffers) != len(kernel.params):
             raise LaunchError(f"kernel {kernel.name} takes {len(kernel.params)} buffers "
                               f"({', '.join(p.name for p in kernel.params)}), got {len(buffers)}")
@@ -165,8 +172,8 @@ class CpuModule:
                 problem = f"has dtype {t.dtype}, expected {p.dtype.torch}"
             elif not t.is_contiguous():
                 problem = "is not contiguous"
-            elif t.numel() < p.size:
-                problem = f"has {t.numel()} elements, the kernel uses {p.size}"
+            elif t.numel() < substitute(p.size, sizes or {}):
+                problem = f"has {t.numel()} elements, the kernel uses {substitute(p.size, sizes or {})}"
             if problem:
                 raise LaunchError(f"kernel {kernel.name}: buffer {p.name} {problem}")
         # the code assumes distinct buffers (codegen's alias scopes): a written one may overlap none

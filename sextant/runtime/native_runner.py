@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
+from sextant.graph.bind import solve
 from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
-from sextant.schedule.program import Program
+from sextant.schedule.program import Layout, Program
 
 # estimated statement executions (``estimate_work``) of all splittable launches below which the
 # whole forward runs on the calling thread: waking the second worker and meeting it at barriers
@@ -56,73 +57,113 @@ class NativeRunner:
         self._run = executor()
         self._params = {i: t.contiguous() for i, t in program.constants.items()}
         names = list(program.kernels)
-        index = {n: i for i, n in enumerate(names)}
+        self._index = {n: i for i, n in enumerate(names)}
         self._fns = (ctypes.c_void_p * max(1, len(names)))(
             *[ctypes.cast(module._fns[n], ctypes.c_void_p).value for n in names])
-        nthreads = workers()
-        parallel, split_work = [], 0
+        # a kernel's size arguments sit in the slot array after the buffers, one slot per symbol
+        self._size_slot = {name: len(program.buffers) + j for j, (name, _, _) in enumerate(program.symbols)}
         for launch in program.launches:
             k = program.kernels[launch.kernel]
             if len(set(launch.args)) != len(launch.args):  # codegen's alias scopes promise distinct buffers
                 raise LaunchError(f"kernel {k.name} is launched with one buffer in two parameters")
-            if len(launch.args) > MAX_ARGS:
-                raise LaunchError(f"kernel {k.name} takes {len(launch.args)} buffers; the executor passes at most "
-                                  f"{MAX_ARGS}")
-            work = estimate_work(k) * launch.blocks // max(1, k.num_blocks)
-            parallel.append(nthreads > 1 and launch.blocks >= 2 and work >= PARALLEL_WORK)
-            split_work += work if parallel[-1] else 0
-        if split_work < SINGLE_WORKER_WORK:  # a second thread would cost more than it saves
-            parallel = [False] * len(parallel)
-        self.workers = nthreads if any(parallel) else 1
-        plan, argidx = [len(program.launches)], []
-        for li, launch in enumerate(program.launches):
-            nxt = parallel[li + 1] if li + 1 < len(parallel) else False
-            flags = (PARALLEL if parallel[li] else 0) | (BARRIER if parallel[li] or nxt else 0)
-            plan += [index[launch.kernel], len(launch.args), len(argidx), launch.blocks, flags]
-            argidx += launch.args
-        assert len(plan) == 1 + FIELDS * len(program.launches)
-        self._plan = (ctypes.c_int32 * len(plan))(*plan)
-        self._argidx = (ctypes.c_int32 * max(1, len(argidx)))(*argidx)
+            if len(launch.args) + len(k.sizes) > MAX_ARGS:
+                raise LaunchError(f"kernel {k.name} takes {len(launch.args) + len(k.sizes)} arguments; the "
+                                  f"executor passes at most {MAX_ARGS}")
+        self._plans: dict[tuple, tuple[ctypes.Array, ctypes.Array, int]] = {}
         self._inputs = [b.index for b in program.buffers if b.kind == "input"]
         self._outputs = [b for b in program.buffers if b.kind == "output"]
         self._local = threading.local()
         self._module = module  # keeps the machine code alive
+        self._plan, self._argidx, self.workers = self._plan_for(program.layout()) if not program.symbols else \
+            (None, None, workers())
 
-    def _state(self) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
-        """This thread's slot array (params and arena temps filled in), barrier and tensors."""
-        st = getattr(self._local, "state", None)
+    def _plan_for(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, int]:
+        """The plan table, argument slot indices and worker count of the launches at ``layout``."""
+        hit = self._plans.get(layout.binding)
+        if hit is not None:
+            return hit
+        program, nthreads = self.program, workers()
+        parallel, split_work = [], 0
+        for launch, blocks in zip(program.launches, layout.blocks):
+            k = program.kernels[launch.kernel]
+            work = estimate_work(k) * blocks // max(1, k.num_blocks)
+            parallel.append(nthreads > 1 and blocks >= 2 and work >= PARALLEL_WORK)
+            split_work += work if parallel[-1] else 0
+        if split_work < SINGLE_WORKER_WORK:  # a second thread would cost more than it saves
+            parallel = [False] * len(parallel)
+        nworkers = nthreads if any(parallel) else 1
+        plan, argidx = [len(program.launches)], []
+        for li, (launch, blocks) in enumerate(zip(program.launches, layout.blocks)):
+            nxt = parallel[li + 1] if li + 1 < len(parallel) else False
+            flags = (PARALLEL if parallel[li] else 0) | (BARRIER if parallel[li] or nxt else 0)
+            sizes = [self._size_slot[s.name] for s in program.kernels[launch.kernel].sizes]
+            plan += [self._index[launch.kernel], len(launch.args) + len(sizes), len(argidx), blocks, flags]
+            argidx += [*launch.args, *sizes]
+        assert len(plan) == 1 + FIELDS * len(program.launches)
+        out = ((ctypes.c_int32 * len(plan))(*plan), (ctypes.c_int32 * max(1, len(argidx)))(*argidx), nworkers)
+        if len(self._plans) < 256:
+            self._plans[layout.binding] = out
+        return out
+
+    def _state(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
+        """This thread's slot array (params, arena temps and sizes filled in), barrier and tensors at
+        ``layout``. One arena per thread, grown to the largest binding seen."""
+        states = getattr(self._local, "states", None)
+        if states is None:
+            states = self._local.states = {}
+            self._local.arena = torch.empty(0, dtype=torch.uint8)
+        st = states.get(layout.binding)
         if st is None:
             p = self.program
-            arena = torch.empty(p.arena_bytes, dtype=torch.uint8)
+            if layout.arena_bytes > self._local.arena.numel():
+                self._local.arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
+                states.clear()  # their views were into the old arena
+            arena = self._local.arena
             tensors: dict[int, torch.Tensor] = dict(self._params)
             for b in p.buffers:
                 if b.kind == "temp":
-                    tensors[b.index] = arena[b.offset:b.offset + b.nbytes].view(b.node.dtype.torch).view(b.node.shape)
-            slots = (ctypes.c_void_p * max(1, len(p.buffers)))()
+                    off, shape = layout.offsets[b.index], layout.shapes[b.index]
+                    n = layout.nbytes(p, b.index)
+                    tensors[b.index] = arena[off:off + n].view(b.node.dtype.torch).view(shape)
+            slots = (ctypes.c_void_p * max(1, len(p.buffers) + len(p.symbols)))()
             for i, t in tensors.items():
                 slots[i] = t.data_ptr()
+            for name, value in layout.binding:
+                slots[self._size_slot[name]] = value
             sync = (ctypes.c_int32 * 2)()
-            st = self._local.state = (slots, sync, tensors)
+            st = states[layout.binding] = (slots, sync, tensors)
+            if len(states) > 64:  # bounded, like the plans
+                states.pop(next(iter(states)))
         return st
 
-    def _bind(self, inputs: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
+    def layout(self, inputs: Sequence[torch.Tensor]) -> Layout:
+        """The program's sizes for these inputs (their shapes bind the symbols, checked)."""
+        p = self.program
+        if not p.symbols:
+            return p.layout()
+        return p.layout(solve(p.graph, [tuple(x.shape) for x in inputs]))
+
+    def _bind(self, inputs: Sequence[torch.Tensor]
+              ) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor], Layout]:
         """This thread's slots with the call's inputs and fresh outputs in them (the tensors returned
         must stay alive while the plan runs)."""
-        slots, sync, fixed = self._state()
+        layout = self.layout(inputs)
+        slots, sync, fixed = self._state(layout)
         tensors = dict(fixed)
         for i, x in zip(self._inputs, inputs):  # inputs come first, in graph order
             x = x.contiguous()
             tensors[i] = x
             slots[i] = x.data_ptr()
         for b in self._outputs:
-            t = torch.empty(b.node.shape, dtype=b.node.dtype.torch)
+            t = torch.empty(layout.shapes[b.index], dtype=b.node.dtype.torch)
             tensors[b.index] = t
             slots[b.index] = t.data_ptr()
-        return slots, sync, tensors
+        return slots, sync, tensors, layout
 
-    def _execute(self, plan: ctypes.Array, slots: ctypes.Array, sync: ctypes.Array) -> None:
-        run, nw = self._run, self.workers
-        args = (ctypes.addressof(plan), ctypes.addressof(self._argidx), ctypes.addressof(slots),
+    def _execute(self, plan: ctypes.Array, slots: ctypes.Array, sync: ctypes.Array, layout: Layout) -> None:
+        _, argidx, nw = self._plan_for(layout)
+        run = self._run
+        args = (ctypes.addressof(plan), ctypes.addressof(argidx), ctypes.addressof(slots),
                 ctypes.addressof(self._fns))
         if nw == 1:
             run(*args, 0, 1, ctypes.addressof(sync))
@@ -137,17 +178,18 @@ class NativeRunner:
         """Seconds per launch (in plan order), each measured as its plan row run ``repeats`` times
         back to back by the native executor, after one whole forward has filled every buffer —
         so a launch costs what it costs inside a forward, without a Python call per launch."""
-        slots, sync, tensors = self._bind(inputs)
-        self._execute(self._plan, slots, sync)
+        slots, sync, tensors, layout = self._bind(inputs)
+        full = self._plan_for(layout)[0]
+        self._execute(full, slots, sync, layout)
         empty = (ctypes.c_int32 * 1)(0)
 
         def call(plan: ctypes.Array) -> float:
             t0 = time.perf_counter()
-            self._execute(plan, slots, sync)
+            self._execute(plan, slots, sync, layout)
             return time.perf_counter() - t0
 
         fixed = sorted(call(empty) for _ in range(21))[10]  # one executor call (the thread hand-off)
-        rows = [list(self._plan[1 + FIELDS * i:1 + FIELDS * (i + 1)]) for i in range(len(self.program.launches))]
+        rows = [list(full[1 + FIELDS * i:1 + FIELDS * (i + 1)]) for i in range(len(self.program.launches))]
         out = []
         for row in rows:
             row = row[:4] + [row[4] | BARRIER]  # every repetition finishes before the next starts
@@ -159,8 +201,8 @@ class NativeRunner:
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
-        slots, sync, tensors = self._bind(inputs)
-        self._execute(self._plan, slots, sync)
+        slots, sync, tensors, layout = self._bind(inputs)
+        self._execute(self._plan_for(layout)[0], slots, sync, layout)
         out = []
         for i in p.outputs:
             t = tensors[i]

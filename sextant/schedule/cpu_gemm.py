@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
+from sextant.graph.symbolic import Dim, SymbolicShapeError, SymDim
 from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Select, Store, Var
-from sextant.schedule.indexing import Index, ValueEmitter, c, delinearize, iadd, idiv, imin, imod, imul
+from sextant.kernel.sizes import with_blocks
+from sextant.schedule.indexing import Index, ValueEmitter, c, delinearize, divisible, iadd, idiv, imin, imod, imul
 
 RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
 
@@ -29,8 +31,8 @@ RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
 class Gemm:
     """One GEMM as the micro-kernel sees it."""
 
-    batch: tuple[int, ...]  # grid dims outside the GEMM (matmul batch, conv groups)
-    m: int
+    batch: tuple[Dim, ...]  # grid dims outside the GEMM (matmul batch, conv groups)
+    m: Dim
     n: int  # columns computed (may be padded past n_store)
     k: int
     acc_t: DType
@@ -56,7 +58,10 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     zero = Const(0.0 if acc_t.is_float else 0, acc_t)
     bm_ = max(mr, g.block_m // mr * mr)
     bn_ = max(nr, g.block_n // nr * nr)
-    blocks_m, blocks_n = math.ceil(m / bm_), math.ceil(n / bn_)
+    if isinstance(n, SymDim) or isinstance(k, SymDim):
+        raise SymbolicShapeError(f"the CPU GEMM needs static N and K (here N={n}, K={k}); only M and the "
+                                 "batch may be symbolic")
+    blocks_m, blocks_n = (m + bm_ - 1) // bm_, math.ceil(n / bn_)
     per_batch = blocks_m * blocks_n
     nb = math.prod(g.batch)
     acc = Buffer("acc", acc_t, mr * nr, "local")
@@ -96,8 +101,9 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
             partial = lambda u: Load("part", iadd(slot0, u), acc_t)
             loop(mr * nr, lambda u: e.emit(Store("acc", u, Select(first_block, zero, partial(u), acc_t))), "u",
                  unroll=True)
-        first = [iadd(i0, c(r)) if m % mr == 0 or r == 0 else imin(iadd(i0, c(r)), c(m - 1)) for r in range(mr)]
-        readers = g.rows(bidx, i0, mr) if m % mr == 0 else _clamped_rows(g, bidx, first)
+        first = [iadd(i0, c(r)) if divisible(m, mr) or r == 0 else imin(iadd(i0, c(r)), c(m - 1))
+                 for r in range(mr)]
+        readers = g.rows(bidx, i0, mr) if divisible(m, mr) else _clamped_rows(g, bidx, first)
 
         def kstep(kk: Var) -> None:
             avals = [e.bind(as_acc(read(kk)), "a") for read in readers]
@@ -133,7 +139,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                     guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
                             lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
 
-                guarded(Binary("lt", i, c(m), DType.bool) if m % mr else None, lambda: loop(nr, out_col, "j"))
+                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool), lambda: loop(nr, out_col, "j"))
 
             loop(mr, out_row, "r")
 
@@ -219,7 +225,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     if m and n and nb:
         block(bid)
     local = (acc, tile) + ((packed,) if g.pack else ()) + ((part,) if kc else ())
-    return Kernel(name, tuple(params), (nb * per_batch, 1, 1), (1, 1, 1), tuple(e.stmts), local=local)
+    return with_blocks(Kernel(name, tuple(params), (1, 1, 1), (1, 1, 1), tuple(e.stmts), local=local),
+                       nb * per_batch)
 
 
 def _clamped_rows(g: Gemm, bidx: Index, rows: list[Expr]) -> list[RowReader]:

@@ -17,14 +17,25 @@ from contextlib import contextmanager
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 from sextant.graph.ops import BINARY, UNARY
+from sextant.graph.symbolic import Dim, SymDim
 from sextant.kernel.ir import INDEX, Assign, Binary, Cast, Const, Expr, Load, Select, Stmt, Unary, Var
+from sextant.kernel.sizes import dim_expr
 
 Index = tuple[Expr, ...]
 Operand = tuple[Node, Index]  # what a computation asks for: a graph node at an index
 
 
-def c(v: int) -> Const:
+def c(v: Dim) -> Const:
+    """An index constant; a symbolic size becomes arithmetic over the kernel's size arguments."""
+    if isinstance(v, SymDim):
+        return dim_expr(v)  # type: ignore[return-value]
     return Const(v, INDEX)
+
+
+def divisible(d: Dim, k: int) -> bool:
+    """Whether ``d`` is a multiple of ``k`` at every size (a symbolic size usually is not known to be)."""
+    r = d % k
+    return isinstance(r, int) and r == 0
 
 
 def iadd(a: Expr, b: Expr) -> Expr:
@@ -37,7 +48,9 @@ def iadd(a: Expr, b: Expr) -> Expr:
     return Binary("add", a, b, INDEX)
 
 
-def imul(a: Expr, k: int) -> Expr:
+def imul(a: Expr, k: Dim) -> Expr:
+    if isinstance(k, SymDim):
+        return c(0) if isinstance(a, Const) and a.value == 0 else Binary("mul", a, dim_expr(k), INDEX)
     if k == 0:
         return c(0)
     if k == 1:
@@ -47,7 +60,9 @@ def imul(a: Expr, k: int) -> Expr:
     return Binary("mul", a, c(k), INDEX)
 
 
-def idiv(a: Expr, k: int) -> Expr:
+def idiv(a: Expr, k: Dim) -> Expr:
+    if isinstance(k, SymDim):
+        return Binary("div", a, dim_expr(k), INDEX)
     if k == 1:
         return a
     if isinstance(a, Const):
@@ -55,7 +70,9 @@ def idiv(a: Expr, k: int) -> Expr:
     return Binary("div", a, c(k), INDEX)
 
 
-def imod(a: Expr, k: int) -> Expr:
+def imod(a: Expr, k: Dim) -> Expr:
+    if isinstance(k, SymDim):
+        return Binary("fmod", a, dim_expr(k), INDEX)
     if k == 1:
         return c(0)
     if isinstance(a, Const):
@@ -69,7 +86,7 @@ def imin(a: Expr, b: Expr) -> Expr:
     return Binary("minimum", a, b, INDEX)
 
 
-def strides(shape: Sequence[int]) -> list[int]:
+def strides(shape: Sequence[Dim]) -> list[Dim]:
     out, acc = [], 1
     for d in reversed(shape):
         out.append(acc)
@@ -77,8 +94,10 @@ def strides(shape: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
-def linearize(idx: Index, shape: Sequence[int]) -> Expr:
+def linearize(idx: Index, shape: Sequence[Dim]) -> Expr:
     """Row-major offset of ``idx`` in ``shape`` (size-1 dims contribute nothing)."""
+    if any(isinstance(d, SymDim) for d in shape):
+        idx, shape = _merge_split(idx, shape)
     out: Expr = c(0)
     for i, d, s in zip(idx, shape, strides(shape)):
         if d != 1:
@@ -86,8 +105,49 @@ def linearize(idx: Index, shape: Sequence[int]) -> Expr:
     return out
 
 
-def delinearize(lin: Expr, shape: Sequence[int]) -> Index:
+def _merge_split(idx: Index, shape: Sequence[Dim]) -> tuple[Index, list[Dim]]:
+    """Adjacent components that :func:`delinearize` split off one value, merged back: ``(q / n, q % n)``
+    over ``[m, n]`` is ``q`` over ``[m*n]``. With constant sizes the kernel simplifier folds such pairs
+    (its rules know constant divisors); over a symbolic ``n`` it cannot, and every element would pay a
+    division by a run-time size."""
+    comps = [(i, d) for i, d in zip(idx, shape) if d != 1]
+    merged = True
+    while merged:
+        merged = False
+        for k in range(len(comps) - 1):
+            (a, d0), (b, d1) = comps[k], comps[k + 1]
+            if not (isinstance(b, Binary) and b.op == "fmod" and b.b == dim_expr(d1)):
+                continue
+            q = b.a
+            if a == Binary("div", q, dim_expr(d1), INDEX):
+                whole: Expr | None = q
+            elif isinstance(a, Binary) and a.op == "fmod" and a.a == Binary("div", q, dim_expr(d1), INDEX) \
+                    and a.b == dim_expr(d0):
+                whole = Binary("fmod", q, dim_expr(d0 * d1), INDEX)
+            else:
+                whole = None
+            if whole is not None:
+                comps[k:k + 2] = [(whole, d0 * d1)]
+                merged = True
+                break
+    return tuple(i for i, _ in comps), [d for _, d in comps]
+
+
+def delinearize(lin: Expr, shape: Sequence[Dim]) -> Index:
     """The multi-index of row-major offset ``lin`` (assumed < numel) in ``shape``."""
+    if any(isinstance(d, SymDim) for d in shape):  # innermost first, in the form _merge_split undoes
+        out: list[Expr] = []
+        q, first = lin, next((k for k, d in enumerate(shape) if d != 1), len(shape))
+        for k in reversed(range(len(shape))):
+            d = shape[k]
+            if d == 1:
+                out.append(c(0))
+            elif k == first:
+                out.append(q)
+            else:
+                out.append(imod(q, d))
+                q = idiv(q, d)
+        return tuple(reversed(out))
     st = strides(shape)
     first = next((k for k, d in enumerate(shape) if d != 1), len(shape))
     out = []
@@ -101,7 +161,7 @@ def delinearize(lin: Expr, shape: Sequence[int]) -> Index:
     return tuple(out)
 
 
-def reshape_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
+def reshape_index(idx: Index, out_shape: Sequence[Dim], in_shape: Sequence[Dim]) -> Index:
     """Map an index of the reshaped value to one of its input, group by group of matching
     products, so splitting or merging dims costs only the arithmetic those dims need."""
     result: list[Expr] = []
@@ -113,7 +173,7 @@ def reshape_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int])
         pj = in_shape[j] if j < n_in else 1
         i, j = i + 1, j + 1
         while pi != pj:
-            if pi < pj:
+            if _smaller(pi, pj):
                 gi.append(i)
                 pi *= out_shape[i]
                 i += 1
@@ -126,6 +186,31 @@ def reshape_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int])
         lin = linearize(tuple(idx[k] for k in gi), [out_shape[k] for k in gi])
         result += delinearize(lin, [in_shape[k] for k in gj])
     return tuple(result)
+
+
+def _smaller(a: Dim, b: Dim) -> bool:
+    """Whether a reshape group's product ``a`` must grow to meet ``b``: by divisibility when sizes are
+    symbolic (``[batch*seq, d]`` from ``[batch, seq, d]``: ``batch`` divides ``batch*seq``)."""
+    if isinstance(a, SymDim) or isinstance(b, SymDim):
+        if _divides(a, b):
+            return True
+        if _divides(b, a):
+            return False
+    return a < b
+
+
+def _divides(a: Dim, b: Dim) -> bool:
+    """Whether ``b / a`` is a polynomial with integer coefficients other than 1."""
+    import sympy
+
+    ea = a.expr if isinstance(a, SymDim) else sympy.Integer(a)
+    eb = b.expr if isinstance(b, SymDim) else sympy.Integer(b)
+    if ea == 0:
+        return False
+    q = sympy.cancel(eb / ea)
+    return q != 1 and sympy.fraction(q)[1] == 1 and q.is_polynomial() and all(
+        coeff.is_Integer for coeff in sympy.Poly(q, *q.free_symbols).coeffs()) if q.free_symbols else \
+        (q != 1 and q.is_Integer)
 
 
 _REDUCE_COMBINE = {"sum": "add", "prod": "mul", "max": "maximum", "min": "minimum"}
@@ -234,7 +319,10 @@ class ValueEmitter:
             return Load(self.buffers[id(n)], linearize(idx, n.shape), n.dtype)
         op, dt = n.op, n.dtype
         if op == "full":
-            return Const(n.attr("value"), dt)
+            value = n.attr("value")
+            if isinstance(value, SymDim):  # a size used as a value (``seq`` as a count)
+                return dim_expr(value) if dt == INDEX else Cast(dim_expr(value), dt)
+            return Const(value, dt)
         if op == "iota":
             return Cast(idx[n.attr("axis")], dt) if dt != INDEX else idx[n.attr("axis")]
         if op in UNARY:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Container
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.graph.symbolic import Dim, SymDim
 from sextant.kernel.ir import (
     INDEX,
     Assign,
@@ -31,6 +32,7 @@ from sextant.kernel.ir import (
     Store,
     Var,
 )
+from sextant.kernel.sizes import capacity
 from sextant.schedule.cpu_conv import conv_gemm_kernel, depthwise_kernel, is_depthwise
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.indexing import (
@@ -40,7 +42,9 @@ from sextant.schedule.indexing import (
     c,
     combine_op,
     delinearize,
+    divisible,
     iadd,
+    idiv,
     imin,
     imul,
     linearize,
@@ -88,22 +92,35 @@ def setup_kernel(group: Group, stored: set[int]) -> tuple[ValueEmitter, list[Buf
     return ValueEmitter(names), params, ins
 
 
-def _chunks(rows: int, target: TargetDesc, work_per_row: int) -> tuple[int, int]:
-    """(blocks, rows per block): enough blocks to feed every core a few times, none too small."""
-    min_rows = max(1, 4096 // max(work_per_row, 1))  # ~4k elements of work per block at least
+def _chunks(rows: Dim, target: TargetDesc, work_per_row: Dim) -> tuple[int, int | Expr]:
+    """(blocks, rows per block): enough blocks to feed every core a few times, none too small.
+
+    Over a symbolic number of rows the block count is fixed (as for the rows' upper bound) and each
+    block's share is computed in the kernel from the size: blocks past the rows do nothing."""
+    min_rows = max(1, 4096 // max(capacity(work_per_row), 1))  # ~4k elements of work per block at least
+    if isinstance(rows, SymDim):
+        hi = capacity(rows)
+        blocks = max(1, min(hi, 4 * target.cores, math.ceil(hi / min_rows)))
+        per = Binary("maximum", c(min_rows), idiv(iadd(c(rows), c(blocks - 1)), blocks), INDEX)
+        return blocks, per
     blocks = max(1, min(rows, 4 * target.cores, math.ceil(rows / min_rows)))
     per = math.ceil(rows / blocks)
     return math.ceil(rows / per), per
 
 
-def _row_loop(e: ValueEmitter, rows: int, per: int, body: Callable[[Var], None]) -> None:
+def _row_loop(e: ValueEmitter, rows: Dim, per: int | Expr, body: Callable[[Var], None]) -> None:
     """``for r in [bid*per, min(bid*per+per, rows))``: body(r)."""
     r = e.var("r")
-    start = imul(BID, per)
+    if isinstance(per, int):
+        start = imul(BID, per)
+        whole = divisible(rows, per)
+    else:
+        per = e.bind(per, "per")
+        start, whole = e.bind(Binary("mul", BID, per, INDEX), "r0"), False
     with e.scope() as stmts:
         body(r)
-    stop = imin(iadd(start, c(per)), c(rows)) if rows % per else iadd(start, c(per))
-    e.emit(For(r, start, stop, 1, tuple(stmts)))
+    stop = iadd(start, c(per) if isinstance(per, int) else per)
+    e.emit(For(r, start, stop if whole else imin(stop, c(rows)), 1, tuple(stmts)))
 
 
 def _loop(e: ValueEmitter, n: int, body: Callable[[Var], None], prefix: str = "j", *,
@@ -257,11 +274,11 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=tuple(local_lanes.values()))
 
 
-def reduce_lanes(target: TargetDesc, acc_t: DType, n_red: int) -> int:
+def reduce_lanes(target: TargetDesc, acc_t: DType, n_red: Dim) -> int:
     """Independent partial results a CPU reduction keeps: two vectors' worth of lanes (two chains
     in flight hide the add's latency), or 1 (a plain sequential loop) for short rows."""
     lanes = 2 * max(1, target.vector_bytes // max(1, acc_t.itemsize))
-    return lanes if n_red >= 2 * lanes else 1
+    return lanes if capacity(n_red) >= 2 * lanes else 1
 
 
 def _lane_split(e: ValueEmitter, buf: str, lanes: int, n_red: int, acc: Var, fn: str, acc_t: DType,
@@ -287,7 +304,7 @@ def _lane_split(e: ValueEmitter, buf: str, lanes: int, n_red: int, acc: Var, fn:
     e.emit(For(v, c(0), c(main), lanes, tuple(body)))
     for u in range(lanes):
         e.emit(Assign(acc, Binary(op, acc, Load(buf, c(u), acc_t), acc_t)))
-    if main < n_red:
+    if isinstance(main, SymDim) or main < n_red:
         _loop(e, n_red, lambda q: e.emit(Assign(acc, Binary(op, acc, term(q), acc_t))), "q", start=c(main))
 
 
@@ -389,7 +406,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     acc_t = accum_dtype(mm.dtype)
     mr, nr = micro_tile(target)
     nr = narrow_columns(n, nr)
-    pack = n * b.dtype.itemsize % PACK_ALIAS_BYTES == 0
+    pack = divisible(n * b.dtype.itemsize, PACK_ALIAS_BYTES)
 
     def rows(bidx: Index, i0: Expr, count: int) -> list[Callable[[Expr], Expr]]:
         return [lambda kk, r=r: e.value(a, (*bidx, iadd(i0, c(r)), kk)) for r in range(count)]
@@ -402,7 +419,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     spec = Gemm(tuple(batch), m, n, k, acc_t, rows, lambda bidx, kk, j0, j, _: e.value(b, (*bidx, kk, iadd(j0, j))),
                 epilogue,
                 mr, nr, MATMUL_BLOCK_M_PACKED if pack else MATMUL_BLOCK_M, MATMUL_BLOCK_N, pack,
-                k_block=MATMUL_BLOCK_K if k >= MATMUL_BLOCKED_K_FROM else 0)
+                k_block=MATMUL_BLOCK_K if capacity(k) >= MATMUL_BLOCKED_K_FROM else 0)
     return gemm_kernel(e, spec, name, params, BID)
 
 

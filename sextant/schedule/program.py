@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,10 @@ import torch
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.reference import eval_node
+from sextant.graph.symbolic import Bounds, Dim, SymbolicShapeError, graph_symbols, substitute
 from sextant.kernel import simplify_kernel, verify_kernel
-from sextant.kernel.ir import Kernel
+from sextant.kernel.ir import Kernel, Size
+from sextant.kernel.sizes import check_binding, launch_blocks, with_sizes
 from sextant.schedule import memory
 from sextant.schedule.attention import attention_kernel, attention_refusal
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
@@ -46,7 +49,23 @@ class Launch:
     kernel: str  # name of a unique kernel
     group: int  # index into Program.groups
     args: tuple[int, ...]  # buffer indices, in the kernel's parameter order
-    blocks: int
+    blocks: Dim  # symbolic in a program over symbolic sizes: evaluated per call (Layout)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A program's sizes at one binding of its symbols: what a runner needs per call of a program
+    over symbolic sizes (a static program has one, at no symbols)."""
+
+    binding: tuple[tuple[str, int], ...]
+    shapes: tuple[tuple[int, ...], ...]  # per buffer
+    offsets: tuple[int, ...]  # per buffer: arena byte offset of a temp, -1 otherwise
+    arena_bytes: int
+    blocks: tuple[int, ...]  # per launch
+    sizes: tuple[tuple[int, ...], ...]  # per launch: the values of its kernel's size arguments
+
+    def nbytes(self, program: Program, i: int) -> int:
+        return math.prod(self.shapes[i]) * program.buffers[i].node.dtype.itemsize
 
 
 @dataclass
@@ -66,10 +85,45 @@ class Program:
     resources: dict[str, Any] = field(default_factory=dict)
     work: WorkCounter = field(default_factory=WorkCounter)  # what scheduling did (for scaling tests)
     rewrites: list[str] = field(default_factory=list)  # graph rewrites the target's schedule made (split-K)
+    # the symbols of a program over symbolic sizes (its kernels take them as arguments; buffer sizes,
+    # block counts and the memory plan are evaluated per binding: layout())
+    symbols: Bounds = ()
+    _layouts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def layout(self, binding: dict[str, int] | None = None) -> Layout:
+        """Buffer shapes, arena offsets, block counts and size arguments at ``binding`` (planned once per
+        binding: the planner is a few microseconds per buffer, so each new size costs no compile)."""
+        key = tuple(sorted((binding or {}).items()))
+        hit = self._layouts.get(key)
+        if hit is not None:
+            return hit
+        values = dict(key)
+        if self.symbols:
+            check_binding([Size(*b) for b in self.symbols], values, f"graph @{self.graph.name}")
+        shapes = tuple(tuple(substitute(b.node.shape, values)) for b in self.buffers)
+        if self.symbols:
+            nbytes = [math.prod(sh) * b.node.dtype.itemsize for sh, b in zip(shapes, self.buffers)]
+            first, last = _lifetimes(self.launches)
+            temps = [b.index for b in self.buffers if b.kind == "temp"]
+            offsets_by, arena = memory.plan([memory.Interval(i, nbytes[i], first[i], last[i]) for i in temps])
+            offsets = tuple(offsets_by.get(b.index, -1) for b in self.buffers)
+        else:
+            offsets, arena = tuple(b.offset for b in self.buffers), self.arena_bytes
+        blocks = tuple(int(substitute(la.blocks, values)) for la in self.launches)
+        sizes = tuple(tuple(values[sz.name] for sz in self.kernels[la.kernel].sizes) for la in self.launches)
+        out = Layout(key, shapes, offsets, arena, blocks, sizes)
+        if len(self._layouts) < 256:  # bounded: a stream of distinct sizes must not grow memory forever
+            self._layouts[key] = out
+        return out
 
     @property
     def peak_bytes(self) -> int:
-        """Planned peak: the intermediate arena plus the outputs (inputs and weights excluded)."""
+        """Planned peak: the intermediate arena plus the outputs (inputs and weights excluded); for a
+        program over symbolic sizes, at the sizes' upper bounds."""
+        if self.symbols:
+            layout = self.layout({n: hi for n, _, hi in self.symbols})
+            out = {i for i in self.outputs if self.buffers[i].kind == "output"}
+            return layout.arena_bytes + sum(layout.nbytes(self, i) for i in out)
         out = {i for i in self.outputs if self.buffers[i].kind == "output"}
         return self.arena_bytes + sum(self.buffers[i].nbytes for i in out)
 
@@ -138,9 +192,12 @@ def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
     return packed
 
 
-def finish_kernel(k: Kernel, target: TargetDesc) -> Kernel:
+def finish_kernel(k: Kernel, target: TargetDesc, bounds: Bounds = ()) -> Kernel:
     """Simplify a freshly generated kernel's index arithmetic (dropping provably dead edge paths and
-    bounds checks) and verify it: a scheduler bug is caught here, not as a wrong answer later."""
+    bounds checks) and verify it: a scheduler bug is caught here, not as a wrong answer later.
+    ``bounds``: the program's symbols, which the kernel takes as size arguments where it reads them."""
+    if bounds:
+        k = with_sizes(k, bounds)
     k = simplify_kernel(k)
     verify_kernel(k, shared_limit=target.shared_bytes)
     return k
@@ -160,6 +217,10 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     """The program for ``graph`` on ``target``; ``work`` (also kept on the program) counts what
     fusion and kernel generation did."""
     work = work if work is not None else WorkCounter()
+    bounds = graph_symbols(graph)
+    if bounds and target.is_gpu:
+        raise SymbolicShapeError("GPU kernels over symbolic sizes are not generated yet (each binding of the "
+                                 "sizes is scheduled on its own)")
     split_notes: list[str] = []
     if not target.is_gpu:
         graph = explicit_padding(graph)
@@ -205,27 +266,36 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         if name is None:
             name = f"{g.kind}_{len(kernels)}"
             unique[key] = name
-            kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target)
+            kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds)
             work.add("kernels: finished")
         ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
                for n in external_buffers(g, stored)]
         outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]
-        launches.append(Launch(name, gi, tuple(ins + outs), k.num_blocks))
+        launches.append(Launch(name, gi, tuple(ins + outs), launch_blocks(k)))
     outputs = [buffer(o, "param" if o.op == "param" else "input" if o.op == "input" else "output")
                for o in graph.outputs]
 
+    first, last = _lifetimes(launches)
+    arena = 0
+    if not bounds:  # over symbolic sizes the plan is made per binding (Program.layout)
+        temps = [b for b in buffers if b.kind == "temp"]
+        offsets, arena = memory.plan([memory.Interval(b.index, b.nbytes, first[b.index], last[b.index])
+                                      for b in temps])
+        buffers = [dataclasses.replace(b, offset=offsets[b.index]) if b.kind == "temp" else b for b in buffers]
+    notes = [note for g in groups for note in g.notes]
+    used = {a for launch in launches for a in launch.args} | set(outputs)
+    constants = {k: v for k, v in constants.items() if k in used}
+    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes,
+                   work=work, rewrites=split_notes, symbols=bounds)
+
+
+def _lifetimes(launches: list[Launch]) -> tuple[dict[int, int], dict[int, int]]:
+    """The first and last launch that touches each buffer."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for li, launch in enumerate(launches):
         for b in launch.args:
             first.setdefault(b, li)
             last[b] = li
-    temps = [b for b in buffers if b.kind == "temp"]
-    offsets, arena = memory.plan([memory.Interval(b.index, b.nbytes, first[b.index], last[b.index])
-                                  for b in temps])
-    buffers = [dataclasses.replace(b, offset=offsets[b.index]) if b.kind == "temp" else b for b in buffers]
-    notes = [note for g in groups for note in g.notes]
-    used = {a for launch in launches for a in launch.args} | set(outputs)
-    constants = {k: v for k, v in constants.items() if k in used}
-    return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes,
-                   work=work, rewrites=split_notes)
+    return first, last
+

@@ -1,0 +1,187 @@
+"""Kernels over symbolic sizes: sizes as scalar arguments, and instances at given sizes.
+
+A kernel of a program with symbolic sizes (``sextant.compile(..., dynamic_shapes=...)``) reads
+each size it needs as a scalar ``i32`` argument (``Kernel.sizes``; register ``n_<name>`` in the
+body), so one compiled kernel serves every size in the declared ranges. Index arithmetic over a
+size is an ordinary expression over that register (:func:`dim_expr`); the block count of a launch
+is a :class:`~sextant.graph.symbolic.SymDim` evaluated per call (:func:`launch_blocks`), and the
+kernel's ``grid`` is its capacity: the grid at the sizes' upper bounds.
+
+:func:`instantiate` substitutes values for the sizes — a static kernel, which the verifier checks
+exactly (a symbolic kernel is verified at a few instances; see :func:`verification_points`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import sympy
+
+from sextant.graph.symbolic import Bounds, Dim, SymbolicShapeError, SymDim
+from sextant.kernel.ir import (
+    INDEX,
+    SIZE_PREFIX,
+    Binary,
+    Const,
+    Expr,
+    Kernel,
+    Size,
+    Var,
+)
+
+MAX_BLOCKS = 2**31 - 1  # a launch's block index is an i32
+
+
+def size_var(name: str) -> Var:
+    return Var(SIZE_PREFIX + name, INDEX)
+
+
+def dim_expr(d: Dim) -> Expr:
+    """A dimension as an index expression: a constant, or arithmetic over size registers."""
+    if isinstance(d, SymDim):
+        return _sympy_expr(d.expr)
+    return Const(int(d), INDEX)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sympy_expr(e: sympy.Expr) -> Expr:
+    if e.is_Integer:
+        return Const(int(e), INDEX)
+    if e.is_Symbol:
+        return size_var(e.name)
+    if e.is_Add or e.is_Mul:
+        op = "add" if e.is_Add else "mul"
+        terms = sorted(e.args, key=lambda t: (t.is_number, str(t)))  # constants last: ``n*4 + 1``
+        out = _sympy_expr(terms[0])
+        for t in terms[1:]:
+            out = Binary(op, out, _sympy_expr(t), INDEX)
+        return out
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        base = _sympy_expr(e.base)
+        out = base
+        for _ in range(int(e.exp) - 1):
+            out = Binary("mul", out, base, INDEX)
+        return out
+    if isinstance(e, sympy.floor):
+        num, den = sympy.fraction(sympy.together(e.args[0]))
+        if den.is_Integer and int(den) > 0:
+            return Binary("div", _sympy_expr(sympy.expand(num)), Const(int(den), INDEX), INDEX)
+    if isinstance(e, sympy.Mod) and e.args[1].is_Integer:
+        return Binary("fmod", _sympy_expr(e.args[0]), Const(int(e.args[1]), INDEX), INDEX)
+    raise SymbolicShapeError(f"size {e} has no index expression (integer polynomials, floor division "
+                             "and remainders by constants only)")
+
+
+def capacity(d: Dim) -> int:
+    """The largest value ``d`` takes in its declared ranges, for a grid's or buffer's capacity."""
+    if isinstance(d, SymDim):
+        hi = d.range()[1]
+        return int(min(hi, MAX_BLOCKS))
+    return int(d)
+
+
+def with_blocks(kernel: Kernel, blocks: Dim) -> Kernel:
+    """``kernel`` launched with ``blocks`` blocks (1-D): a symbolic count is kept in ``meta`` for the
+    launches and the grid becomes its capacity."""
+    if not isinstance(blocks, SymDim):
+        return dataclasses.replace(kernel, grid=(int(blocks), 1, 1))
+    k = dataclasses.replace(kernel, grid=(max(1, capacity(blocks)), 1, 1))
+    k.meta["blocks"] = blocks
+    return k
+
+
+def launch_blocks(kernel: Kernel) -> Dim:
+    """How many blocks a launch of ``kernel`` runs: a ``SymDim`` for a symbolic count."""
+    return kernel.meta.get("blocks", kernel.num_blocks)
+
+
+# -- which sizes a kernel reads ---------------------------------------------------------------------
+def _walk(node: Any, out: set[str], seen: set[int]) -> None:
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):
+            stack.extend(x)
+        elif isinstance(x, Var):
+            if x.name.startswith(SIZE_PREFIX):
+                out.add(x.name[len(SIZE_PREFIX):])
+        elif isinstance(x, SymDim):
+            out.update(x.names)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+
+
+def with_sizes(kernel: Kernel, bounds: Bounds) -> Kernel:
+    """``kernel`` taking as arguments the symbols of ``bounds`` it reads (in name order)."""
+    used: set[str] = set()
+    _walk((kernel.params, kernel.body), used, set())
+    sizes = tuple(Size(n, lo, hi) for n, lo, hi in bounds if n in used)
+    unknown = used - {n for n, _, _ in bounds}
+    if unknown:
+        raise SymbolicShapeError(f"kernel {kernel.name} reads undeclared size(s) {', '.join(sorted(unknown))}")
+    if not sizes:
+        return kernel
+    return dataclasses.replace(kernel, sizes=sizes)
+
+
+# -- instances --------------------------------------------------------------------------------------
+def instantiate(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
+    """The static kernel ``kernel`` is at these sizes: size registers become constants, buffer sizes
+    and the grid are evaluated."""
+    if not kernel.sizes:
+        return kernel
+    consts = {SIZE_PREFIX + s.name: Const(int(values[s.name]), INDEX) for s in kernel.sizes}
+    memo: dict[int, Any] = {}
+
+    def sub(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return tuple(sub(v) for v in x)
+        if isinstance(x, Var):
+            return consts.get(x.name, x)
+        if not dataclasses.is_dataclass(x) or isinstance(x, type):
+            return x
+        hit = memo.get(id(x))
+        if hit is not None:
+            return hit
+        changes = {}
+        for f in dataclasses.fields(x):
+            v = getattr(x, f.name)
+            w = sub(v)
+            if w is not v:
+                changes[f.name] = w
+        out = dataclasses.replace(x, **changes) if changes else x
+        memo[id(x)] = out
+        return out
+
+    params = tuple(dataclasses.replace(b, size=b.size.subs(values)) if isinstance(b.size, SymDim) else b
+                   for b in kernel.params)
+    blocks = launch_blocks(kernel)
+    grid = (blocks.subs(values), 1, 1) if isinstance(blocks, SymDim) else kernel.grid
+    meta = {k: v for k, v in kernel.meta.items() if k != "blocks"}
+    return Kernel(kernel.name, params, (max(1, grid[0]), *grid[1:]), kernel.block, sub(kernel.body),
+                  kernel.shared, kernel.local, meta)
+
+
+def verification_points(sizes: Iterable[Size]) -> list[dict[str, int]]:
+    """Sizes a symbolic kernel is verified at: every size at its least value, and every size at a
+    ragged value above it (7 past a multiple of 64 where the range allows, so tile tails and partial
+    blocks are exercised); each instance is checked exactly, index by index."""
+    sizes = list(sizes)
+    low = {s.name: s.lo for s in sizes}
+    ragged = {s.name: min(s.hi, max(s.lo, 64 * (s.lo // 64 + 1) + 7)) for s in sizes}
+    return [low] if ragged == low else [low, ragged]
+
+
+def check_binding(sizes: Iterable[Size], values: Mapping[str, int], what: str) -> None:
+    """Raise naming the size when a value is outside its declared range."""
+    for s in sizes:
+        v = values.get(s.name)
+        if v is None or not s.lo <= v <= s.hi:
+            raise SymbolicShapeError(f"{what}: size {s.name}={v} is outside its declared range [{s.lo}, {s.hi}]")
+
