@@ -65,14 +65,30 @@ def _sympy_expr(e: sympy.Expr) -> Expr:
         for _ in range(int(e.exp) - 1):
             out = Binary("mul", out, base, INDEX)
         return out
-    if isinstance(e, sympy.floor):
+    if isinstance(e, (sympy.floor, sympy.ceiling)):
         num, den = sympy.fraction(sympy.together(e.args[0]))
+        num = sympy.expand(num)
         if den.is_Integer and int(den) > 0:
-            return Binary("div", _sympy_expr(sympy.expand(num)), Const(int(den), INDEX), INDEX)
-    if isinstance(e, sympy.Mod) and e.args[1].is_Integer:
-        return Binary("fmod", _sympy_expr(e.args[0]), Const(int(e.args[1]), INDEX), INDEX)
+            if isinstance(e, sympy.ceiling):  # ceil(p/q) = floor((p + q - 1)/q)
+                num = num + int(den) - 1
+            # the IR's ``div`` truncates (C); it is floor division for a numerator that cannot be negative
+            return Binary("div" if _nonnegative(num) else "floordiv", _sympy_expr(num), Const(int(den), INDEX),
+                          INDEX)
+    if isinstance(e, sympy.Mod) and e.args[1].is_Integer and int(e.args[1]) > 0:
+        a = sympy.expand(e.args[0])  # sympy's Mod is Python's (floor) remainder; ``fmod`` is C's
+        return Binary("fmod" if _nonnegative(a) else "remainder", _sympy_expr(a), Const(int(e.args[1]), INDEX),
+                      INDEX)
     raise SymbolicShapeError(f"size {e} has no index expression (integer polynomials, floor division "
                              "and remainders by constants only)")
+
+
+def _nonnegative(p: sympy.Expr) -> bool:
+    """Whether a polynomial over sizes (never negative) is never negative: all its coefficients are."""
+    if not p.free_symbols:
+        return bool(p >= 0)
+    if not p.is_polynomial():
+        return False
+    return all(k >= 0 for k in sympy.Poly(p, *sorted(p.free_symbols, key=str)).coeffs())
 
 
 def capacity(d: Dim) -> int:

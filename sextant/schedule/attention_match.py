@@ -28,6 +28,7 @@ import torch
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import is_elementwise
 from sextant.graph.reference import constant_value
+from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.ir import Expr
 from sextant.schedule.indexing import delinearize
 
@@ -229,7 +230,7 @@ def _causal_table(n: Node, params: Mapping[str, torch.Tensor]) -> bool:
     exactly 0 beside any visible row max, so key tiles past the diagonal can be skipped as for
     ``where(key <= query, x, -inf)``. The mask is evaluated once, at schedule time."""
     q, k = n.shape[-2:] if n.type.rank >= 2 else (0, 0)
-    if q != k or q < 2:
+    if is_symbolic((q, k)) or q != k or q < 2:  # a constant table has constant sizes
         return False
     visible = torch.ones(q, k, dtype=torch.bool).tril()
     if n.op == "add":

@@ -44,7 +44,8 @@ from sextant.kernel.ir import (
     Var,
 )
 from sextant.schedule.attention_match import at
-from sextant.schedule.indexing import accum_dtype, c, iadd, idiv, imin, imod, imul
+from sextant.kernel.sizes import capacity
+from sextant.schedule.indexing import accum_dtype, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import (
     _chunks,
     _lane_split,
@@ -109,13 +110,15 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
     acc_t = accum_dtype(att.logits.dtype)
     dot_t = accum_dtype(att.scores.dtype)
     mr, nr = micro_tile(target)
-    rg = min(mr, n_q)  # rows per register tile; a row block is two of them
-    br = min(2 * rg, -(-n_q // rg) * rg)
-    nk = nr if n_kv >= nr else narrow_columns(n_kv, nr) if n_kv % 4 == 0 else nr
+    # over symbolic lengths the tiles are chosen for the longest (ragged rows and keys always guarded)
+    n_q_most, n_kv_most = capacity(n_q), capacity(n_kv)
+    rg = min(mr, n_q_most)  # rows per register tile; a row block is two of them
+    br = min(2 * rg, -(-n_q_most // rg) * rg)
+    nk = nr if n_kv_most >= nr else narrow_columns(n_kv_most, nr) if divisible(n_kv, 4) else nr
     nv = narrow_columns(dim_v, nr)
     dvp = -(-dim_v // nv) * nv  # value rows padded to whole register-tile widths
     keys = key_tile(dim, dvp)
-    tile = keys if n_kv >= keys else -(-n_kv // nk) * nk  # keys past n_kv are masked
+    tile = keys if n_kv_most >= keys else -(-n_kv_most // nk) * nk  # keys past n_kv are masked
     lanes = reduce_lanes(target, acc_t, tile)
     n_qb = -(-n_q // br)
     blocks_total = math.prod(batch) * n_qb
@@ -126,7 +129,7 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
              Buffer("red", acc_t, lanes, "local"))
     neg_inf, zero = Const(-math.inf, acc_t), Const(0.0, acc_t)
     half_p = att.probs.dtype if att.probs.dtype != acc_t else None  # P rounded as the product reads it
-    ragged_kv = n_kv % tile != 0
+    ragged_kv = not divisible(n_kv, tile)
 
     def loop(n: int, body, prefix: str, *, start: Expr | None = None, stop: Expr | None = None,
              unroll: bool = False) -> None:
@@ -140,7 +143,7 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
         i0 = e.bind(imul(imod(rb, n_qb), br), "i0")
 
         def row_of(r: Expr) -> Expr:  # rows past the end compute the last row's values, never stored
-            return e.bind(imin(iadd(i0, r), c(n_q - 1)), "i") if n_q % br else e.bind(iadd(i0, r), "i")
+            return e.bind(iadd(i0, r), "i") if divisible(n_q, br) else e.bind(imin(iadd(i0, r), c(n_q - 1)), "i")
 
         def query_row(r: Var) -> None:
             i = row_of(r)
@@ -263,7 +266,7 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                     e.regs.pop(id(out))
 
                 loop(dim_v, element, "d")
-            if n_q % br:
+            if not divisible(n_q, br):
                 e.emit(If(Binary("lt", i, c(n_q), DType.bool), tuple(store)))
             else:
                 e.stmts.extend(store)
