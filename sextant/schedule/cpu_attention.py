@@ -43,8 +43,8 @@ from sextant.kernel.ir import (
     Unary,
     Var,
 )
-from sextant.schedule.attention_match import at
 from sextant.kernel.sizes import capacity
+from sextant.schedule.attention_match import at
 from sextant.schedule.indexing import accum_dtype, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import (
     _chunks,
