@@ -1,6 +1,7 @@
 """One compile for many sizes: ``sextant.compile(dynamic_shapes=...)`` and ``torch.compile(dynamic=True)``
-capture a model once with symbolic batch/sequence sizes; every size in range then matches eager on
-cpu and cuda-sim (each new binding of the sizes compiled below the graph IR on first use, counted)."""
+capture a model once with symbolic batch/sequence sizes; every size in range then matches eager. On
+cpu one program serves every size (kernels take the sizes as arguments: one capture, one LLVM
+compile, counted); on cuda-sim each new binding is compiled below the graph IR on first use."""
 
 from __future__ import annotations
 
@@ -52,12 +53,36 @@ def captures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
+@pytest.fixture
+def llvm_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts CPU code generations (``compile_kernels`` calls: one per program)."""
+    import sextant.codegen.llvm_cpu as llvm_cpu
+
+    count = [0]
+    real = llvm_cpu.compile_kernels
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llvm_cpu, "compile_kernels", counted)
+    return count
+
+
+def _one_program(cm: sextant.CompiledModule, llvm_compiles: list[int]) -> None:
+    """The cpu module is one program whose kernels read the sizes as arguments, compiled once."""
+    program = cm.stages["program"]
+    assert "specializer" not in cm.stages and program.symbols
+    assert any(k.sizes for k in program.kernels.values())
+    assert llvm_compiles[0] == 1
+
+
 LLAMA_SIZES = [(1, 1), (3, 7), (1, 64), (3, 129)]  # every batch in {1, 3} and seq in {1, 7, 64, 129}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
-def test_llama_one_compile_many_sizes(target: str, captures: list[int]) -> None:
+def test_llama_one_compile_many_sizes(target: str, captures: list[int], llvm_compiles: list[int]) -> None:
     model = _llama()
     dims = {"args": ({0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=256)},)}
     cm = sextant.compile(model, (torch.randint(0, 1000, (2, 16)),), target=target, dynamic_shapes=dims)
@@ -67,13 +92,16 @@ def test_llama_one_compile_many_sizes(target: str, captures: list[int]) -> None:
             ids = torch.randint(0, 1000, (batch, seq))
             torch.testing.assert_close(cm(ids), model(ids), rtol=1e-4, atol=1e-4)
     assert captures[0] == 1
-    assert list(cm.stages["specializer"].modules) == [(("batch", b), ("seq", s)) for b, s in LLAMA_SIZES]
+    if target == "cpu":
+        _one_program(cm, llvm_compiles)
+    else:
+        assert list(cm.stages["specializer"].modules) == [(("batch", b), ("seq", s)) for b, s in LLAMA_SIZES]
     with pytest.raises(InputError, match=r"dimension 1 is 300, outside the range .*seq in \[1, 256\]"):
         cm(torch.randint(0, 1000, (1, 300)))
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
-def test_resnet_one_compile_two_batches(target: str, captures: list[int]) -> None:
+def test_resnet_one_compile_two_batches(target: str, captures: list[int], llvm_compiles: list[int]) -> None:
     model = _resnet()
     cm = sextant.compile(model, (torch.randn(2, 3, 32, 32),), target=target,
                          dynamic_shapes={"args": ({0: Dim("batch", min=1, max=8)},)})
@@ -81,7 +109,11 @@ def test_resnet_one_compile_two_batches(target: str, captures: list[int]) -> Non
         for batch in (1, 5):
             x = torch.randn(batch, 3, 32, 32)
             torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
-    assert captures[0] == 1 and len(cm.stages["specializer"].modules) == 2
+    assert captures[0] == 1
+    if target == "cpu":
+        _one_program(cm, llvm_compiles)
+    else:
+        assert len(cm.stages["specializer"].modules) == 2
     with pytest.raises(ArtifactError, match="symbolic sizes cannot be saved"):
         cm.save("unused")
 

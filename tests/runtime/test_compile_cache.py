@@ -123,26 +123,45 @@ def test_second_process_skips_capture_and_llvm(cache_dir: Path) -> None:
 
 
 def test_symbolic_sizes_one_entry_per_binding(cache_dir: Path) -> None:
-    """A module compiled with dynamic_shapes stores each binding of its sizes; a second compile (as
-    a second process would) loads the bindings it has seen and compiles only the new one."""
+    """On a target compiled per binding of the sizes (cuda-sim), a module compiled with dynamic_shapes
+    stores each binding; a second compile (as a second process would) loads the bindings it has seen
+    and compiles only the new one."""
     from torch.export import Dim
 
     model = Block().eval()
     dims = {"x": {0: Dim("rows", min=1, max=64)}}
-    first = sextant.compile(model, (torch.randn(4, 16),), target="cpu", dynamic_shapes=dims)
+    first = sextant.compile(model, (torch.randn(4, 16),), target="cuda-sim", dynamic_shapes=dims)
     for rows in (3, 17):
         first(torch.randn(rows, 16))
     assert len(_entries(cache_dir)) == 2
-    second = sextant.compile(model, (torch.randn(4, 16),), target="cpu", dynamic_shapes=dims)
+    second = sextant.compile(model, (torch.randn(4, 16),), target="cuda-sim", dynamic_shapes=dims)
     for rows in (3, 17, 5):
         x = torch.randn(rows, 16)
         torch.testing.assert_close(second(x), model(x))
     hits = {b: m.stages["cache"]["hit"] for b, m in second.stages["specializer"].modules.items()}
     assert hits == {(("rows", 3),): True, (("rows", 17),): True, (("rows", 5),): False}
-    other = sextant.compile(model, (torch.randn(4, 16),), target="cpu",
+    other = sextant.compile(model, (torch.randn(4, 16),), target="cuda-sim",
                             dynamic_shapes={"x": {0: Dim("rows", min=1, max=32)}})  # other ranges: other entries
     other(torch.randn(3, 16))
     assert other.stages["specializer"].modules[(("rows", 3),)].stages["cache"]["hit"] is False
+
+
+def test_symbolic_cpu_program_reuses_cached_objects(cache_dir: Path) -> None:
+    """On the cpu target one program serves every size (its kernels take the sizes as arguments): it
+    is not a compile-cache entry (an artifact holds a static program), but a second compile finds
+    every kernel's machine code in the object cache and skips LLVM."""
+    from torch.export import Dim
+
+    model = Block().eval()
+    dims = {"x": {0: Dim("rows", min=1, max=64)}}
+    first = sextant.compile(model, (torch.randn(4, 16),), target="cpu", dynamic_shapes=dims)
+    assert "specializer" not in first.stages and _entries(cache_dir) == []
+    second = sextant.compile(model, (torch.randn(4, 16),), target="cpu", dynamic_shapes=dims)
+    kernels = second.stages["program"].kernels
+    assert second.stages["cpu_module"].cached_objects == len(kernels) > 0
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(second(x), model(x))
 
 
 def test_dynamo_baked_constants_are_keyed(cache_dir: Path) -> None:

@@ -37,6 +37,7 @@ from sextant.graph.passes.dce import live_nodes
 from sextant.graph.passes.rewrite import rebuild, replace_nodes
 from sextant.graph.reference import _identity as reduction_identity
 from sextant.graph.reference import eval_node
+from sextant.graph.symbolic import is_symbolic
 
 MIN_FOLD_NUMEL = 65536
 _EVAL_ERRORS = (RuntimeError, IndexError, ValueError, NotImplementedError)
@@ -62,6 +63,8 @@ def _wrap_int(v: int, dtype: DType) -> int:
 def _reduce_full(node: Node, value: float) -> float | None:
     fn, dtype = node.attr("fn"), node.dtype
     count = math.prod(node.inputs[0].shape[a] for a in node.attr("axes"))
+    if is_symbolic(count):  # the result depends on the size: computed at run time
+        return None
     if not count:  # a reduction over no elements yields its identity, as in the reference
         return reduction_identity(fn, dtype.torch)
     if fn in ("max", "min"):
@@ -78,6 +81,8 @@ def uniform_value(node: Node) -> int | float | bool | None:
     if node.op in SOURCES or not all(i.op == "full" for i in node.inputs):
         return None
     values = [i.attr("value") for i in node.inputs]
+    if any(is_symbolic(v) for v in values):  # a size used as a value (``full() {value=seq}``) stays
+        return None
     if is_elementwise(node.op):
         tiny = [torch.full((1,), v, dtype=i.dtype.torch) for v, i in zip(values, node.inputs)]
         try:
@@ -186,7 +191,9 @@ def foldable(graph: Graph) -> set[Node]:
         materialised = [i.type.numel for i in n.inputs if i in out]
         bound = max([MIN_FOLD_NUMEL, *materialised])
         if n.type.numel <= bound and all(i in out or (i.op in ("full", "iota") and isinstance(i.type.numel, int)
-                                                      and i.type.numel <= bound) for i in n.inputs):
+                                                      and i.type.numel <= bound
+                                                      and not is_symbolic(i.attr("value")))
+                                         for i in n.inputs):
             out.add(n)
     return out
 
