@@ -157,8 +157,8 @@ def constant_value(x: Node, params: Mapping[str, torch.Tensor],
     if id(x) in memo:
         return memo[id(x)]
     order = topo_sort([x])
-    if any(n.op == "input" for n in order):
-        return None
+    if any(n.op == "input" or not isinstance(n.type.numel, int) for n in order):
+        return None  # an input, or a size only a call knows, reaches it
     if sum(n.type.numel for n in order if n.op != "param") > 1 << 22:
         return None  # large constant subgraphs stay in the graph (constant folding may still run them)
     env: dict[int, torch.Tensor] = {}

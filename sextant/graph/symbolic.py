@@ -114,8 +114,14 @@ class SymDim:
         """The least and greatest value the declared ranges allow."""
         from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-        vr = bound_sympy(self.expr, {sympy_symbol(n): ValueRanges(lo, hi) for n, lo, hi in self.bounds})
-        return _num(vr.lower), _num(vr.upper)
+        ranges = {sympy_symbol(n): ValueRanges(lo, hi) for n, lo, hi in self.bounds}
+        vr = bound_sympy(self.expr, ranges)
+        lo, hi = _num(vr.lower), _num(vr.upper)
+        factored = sympy.factor(self.expr)  # interval arithmetic is tighter on products: batch*(seq-1)
+        if factored != self.expr:
+            vf = bound_sympy(factored, ranges)
+            lo, hi = max(lo, _num(vf.lower)), min(hi, _num(vf.upper))
+        return lo, hi
 
     def _decide(self, other: object, op: str) -> bool:
         lifted = self._lift(other)

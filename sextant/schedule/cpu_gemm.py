@@ -22,7 +22,19 @@ from sextant.graph.dtypes import DType
 from sextant.graph.symbolic import Dim, SymbolicShapeError, SymDim
 from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Select, Store, Var
 from sextant.kernel.sizes import with_blocks
-from sextant.schedule.indexing import Index, ValueEmitter, c, delinearize, divisible, iadd, idiv, imin, imod, imul
+from sextant.schedule.indexing import (
+    Index,
+    ValueEmitter,
+    c,
+    delinearize,
+    divisible,
+    iadd,
+    idiv,
+    imin,
+    imod,
+    imul,
+    may_be_nonzero,
+)
 
 RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
 
@@ -222,7 +234,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
         else:  # the last column block holds fewer strips (a partial one takes the edge path)
             loop(0, panel, "s", stop=imin(c(bn_ // nr), idiv(iadd(c(n + nr - 1), imul(jstart, -1)), nr)))
 
-    if m and n and nb:
+    if may_be_nonzero(m, n, nb):
         block(bid)
     local = (acc, tile) + ((packed,) if g.pack else ()) + ((part,) if kc else ())
     return with_blocks(Kernel(name, tuple(params), (1, 1, 1), (1, 1, 1), tuple(e.stmts), local=local),

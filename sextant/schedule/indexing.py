@@ -32,6 +32,12 @@ def c(v: Dim) -> Const:
     return Const(v, INDEX)
 
 
+def may_be_nonzero(*dims: Dim) -> bool:
+    """Whether a loop over these sizes can have any iteration (a symbolic size: yes, unless its range
+    says it is always 0) — for skipping the loops of empty tensors."""
+    return all(d.range()[1] > 0 if isinstance(d, SymDim) else d != 0 for d in dims)
+
+
 def divisible(d: Dim, k: int) -> bool:
     """Whether ``d`` is a multiple of ``k`` at every size (a symbolic size usually is not known to be)."""
     r = d % k

@@ -48,6 +48,7 @@ from sextant.schedule.indexing import (
     imin,
     imul,
     linearize,
+    may_be_nonzero,
     reduce_identity,
 )
 from sextant.schedule.partition import Group, inlinable, is_buffer
@@ -156,7 +157,7 @@ def elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, name:
 
         _loop(e, inner, elem)
 
-    if out.type.numel:
+    if may_be_nonzero(out.type.numel):
         _row_loop(e, rows, per, row)
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts))
 
@@ -269,7 +270,7 @@ def reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
             e.regs.pop(id(m), None)
 
     local_lanes: dict[DType, Buffer] = {}
-    if rows:
+    if may_be_nonzero(rows):
         _row_loop(e, rows, per, row)
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=tuple(local_lanes.values()))
 
@@ -491,7 +492,7 @@ def conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -
 
         _loop(e, out_shape[-1], col, "ow")
 
-    if rows:
+    if may_be_nonzero(rows):
         _row_loop(e, rows, per, row)
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts))
 

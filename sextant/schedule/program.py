@@ -187,7 +187,7 @@ def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
     for g in groups:
         if g.kind == "matmul":
             b = g.anchor.inputs[1]
-            if b.op != "param" and _movement_of_param(b):
+            if b.op != "param" and _movement_of_param(b) and isinstance(b.type.numel, int):  # not a broadcast to a size
                 packed.append(b)
     return packed
 

@@ -501,8 +501,12 @@ def snippet_dynamic_calls() -> str:
         x = torch.randn(shape)
         ok = torch.allclose(cm(x), model(x), rtol=1e-5, atol=1e-5)  # (the error itself varies with the CPU)
         lines.append(f"x {list(shape)}: {'matches' if ok else 'DIFFERS FROM'} eager")
-    modules = cm.stages["specializer"].modules
-    lines.append(f"bindings compiled: {', '.join(' '.join(f'{k}={v}' for k, v in b) for b in modules)}")
+    program = cm.stages["program"]
+    lines.append(f"one program: {len(program.kernels)} kernels, compiled once; per binding, the memory plan:")
+    for binding, layout in program._layouts.items():
+        blocks = ", ".join(map(str, layout.blocks))
+        lines.append(f"  {' '.join(f'{k}={v}' for k, v in binding)}: arena {layout.arena_bytes} bytes, "
+                     f"blocks per launch {blocks}")
     for shape in [(9, 5, 4), (2, 5, 5)]:
         try:
             cm(torch.randn(shape))
@@ -511,8 +515,22 @@ def snippet_dynamic_calls() -> str:
     return "\n".join(lines)
 
 
+def snippet_dynamic_kernel() -> str:
+    """The chapter's softmax kernel on the cpu target: the sizes are kernel arguments."""
+    from sextant.graph.passes import run_pipeline
+    from sextant.kernel.printer import print_kernel
+    from sextant.schedule.program import schedule
+
+    torch.manual_seed(0)
+    graph = sextant.capture(_Windowed(), (torch.randn(2, 5, 4),), dynamic_shapes=_windowed_dims())
+    program = schedule(run_pipeline(graph), DOCS_CPU)
+    reduce = next(k for name, k in program.kernels.items() if name.startswith("reduce"))
+    return print_kernel(reduce)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
     "dynamic-captured": snippet_dynamic_captured,
+    "dynamic-kernel": snippet_dynamic_kernel,
     "dynamic-calls": snippet_dynamic_calls,
     "fa-kernel-excerpt": snippet_fa_kernel_excerpt,
     "fa-ptxas": snippet_fa_ptxas,
