@@ -41,6 +41,7 @@ from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, build_objects, cache_key, optimize, source_fingerprint
 from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
+from sextant.kernel.sizes import dim_expr
 from sextant.codegen.simt import (
     Item,
     LdmRead,
@@ -393,20 +394,29 @@ class _KernelLowering(LoweringBase):
         args.name, begin.name, end.name = "args", "block_begin", "block_end"
         self._preamble(args)
         gx, gy, _ = self.kernel.grid
+        symbolic = self.kernel.meta.get("grid")  # extents over size arguments, per launch
+        one_d = self.kernel.num_blocks == gx and (symbolic is None or (symbolic[1], symbolic[2]) == (1, 1))
+        if symbolic is not None and not one_d:
+            gxv, gyv = (self._value(dim_expr(d)) for d in symbolic[:2])
+            self.grid_values = tuple(self._value(dim_expr(d)) for d in symbolic)
+        else:
+            gxv, gyv = self._i32(gx), self._i32(gy)
+            if symbolic is not None:
+                self.grid_values = tuple(self._value(dim_expr(d)) for d in symbolic)
 
         def block(bl: ir.Value) -> None:
             b = self.b
             self.block_linear = bl
             if self.checker is not None:
                 self.checker.block_start()
-            if self.kernel.num_blocks == gx:  # 1-D grid: the linear id is bid.x
+            if one_d:  # 1-D grid: the linear id is bid.x
                 self.bid = (bl, self._i32(0), self._i32(0))
                 self._items(self.plan.items)
                 return
-            bx = b.urem(bl, self._i32(gx)) if gx > 1 else self._i32(0)
-            rest = b.udiv(bl, self._i32(gx)) if gx > 1 else bl
-            by = b.urem(rest, self._i32(gy)) if gy > 1 else self._i32(0)
-            bz = b.udiv(rest, self._i32(gy)) if gy > 1 else rest
+            bx = b.urem(bl, gxv) if gx > 1 else self._i32(0)
+            rest = b.udiv(bl, gxv) if gx > 1 else bl
+            by = b.urem(rest, gyv) if gy > 1 else self._i32(0)
+            bz = b.udiv(rest, gyv) if gy > 1 else rest
             self.bid = (bx, by, bz)
             self._items(self.plan.items)
 
@@ -688,8 +698,10 @@ class _KernelLowering(LoweringBase):
         if e.kind == "bdim":
             return self._i32(self.kernel.block[axis])
         if e.kind == "gdim":
-            if self.kernel.sizes:
-                raise self._fail("gdim is per launch in a kernel over symbolic sizes; compute it from the sizes")
+            if self.kernel.sizes and "grid" in self.kernel.meta:
+                return self.grid_values[axis]
+            if self.kernel.sizes and "blocks" in self.kernel.meta:
+                raise self._fail("gdim of a launch whose block count is symbolic (use with_grid)")
             return self._i32(self.kernel.grid[axis])
         raise self._fail(f"unknown special register {e.kind}.{e.axis}")
 

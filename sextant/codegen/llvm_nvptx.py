@@ -255,7 +255,9 @@ class _Lowering(LoweringBase):
         self.kernel = kernel
         self.arch = arch
         gptr = ir.PointerType(addrspace=GLOBAL)
-        self.fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [gptr] * len(kernel.params)), kernel.name)
+        # buffers, then the sizes of a kernel over symbolic sizes (i32 scalars: kernel/sizes.py)
+        self.fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [gptr] * len(kernel.params) + [I32] * len(
+            kernel.sizes)), kernel.name)
         self.fn.calling_convention = "ptx_kernel"
         self.fn.attributes.add("nounwind")
         md = module.add_named_metadata("nvvm.annotations")  # LLVM ≥ 21 upgrades these to "nvvm.reqntid"
@@ -280,7 +282,7 @@ class _Lowering(LoweringBase):
             raise self._fail(f"launch grid {k.grid} / block {k.block} has an empty dimension")
         if k.threads_per_block > 1024:
             raise self._fail(f"a block of {k.threads_per_block} threads exceeds the GPU's 1024")
-        for p, arg in zip(k.params, self.fn.args, strict=True):
+        for p, arg in zip(k.params, self.fn.args[:len(k.params)], strict=True):
             if p.space != "global":
                 raise self._fail(f"parameter {p.name} is in {p.space!r} memory, expected 'global'")
             arg.name = p.name
@@ -303,6 +305,10 @@ class _Lowering(LoweringBase):
             a = self.b.alloca(reg_type(dt), name=f"r.{name}")
             a.type = ir.PointerType()
             self.slots[name] = a
+        for size, arg in zip(k.sizes, self.fn.args[len(k.params):], strict=True):
+            arg.name = size.var.name
+            if size.var.name in self.slots:  # a size the body reads
+                self.b.store(arg, self.slots[size.var.name])
 
     def read_var(self, v: Var) -> ir.Value:
         if v.name not in self.slots:

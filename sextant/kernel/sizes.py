@@ -109,6 +109,18 @@ def with_blocks(kernel: Kernel, blocks: Dim) -> Kernel:
     return k
 
 
+def with_grid(kernel: Kernel, grid: tuple[Dim, Dim, Dim]) -> Kernel:
+    """``kernel`` launched on ``grid``; symbolic extents are kept in ``meta["grid"]`` (evaluated per
+    launch: the SIMT CPU lowering recovers a block's coordinates from them, the GPU reads ``nctaid``)
+    and the kernel's grid is their capacity."""
+    if not any(isinstance(g, SymDim) for g in grid):
+        return dataclasses.replace(kernel, grid=tuple(int(g) for g in grid))
+    k = dataclasses.replace(kernel, grid=tuple(max(1, capacity(g)) for g in grid))
+    k.meta["grid"] = tuple(grid)
+    k.meta["blocks"] = grid[0] * grid[1] * grid[2]
+    return k
+
+
 def launch_blocks(kernel: Kernel) -> Dim:
     """How many blocks a launch of ``kernel`` runs: a ``SymDim`` for a symbolic count."""
     return kernel.meta.get("blocks", kernel.num_blocks)
@@ -178,9 +190,12 @@ def instantiate(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
     params = tuple(dataclasses.replace(b, size=b.size.subs(values)) if isinstance(b.size, SymDim) else b
                    for b in kernel.params)
     blocks = launch_blocks(kernel)
-    grid = (blocks.subs(values), 1, 1) if isinstance(blocks, SymDim) else kernel.grid
-    meta = {k: v for k, v in kernel.meta.items() if k != "blocks"}
-    return Kernel(kernel.name, params, (max(1, grid[0]), *grid[1:]), kernel.block, sub(kernel.body),
+    if "grid" in kernel.meta:
+        grid = tuple(int(g.subs(values)) if isinstance(g, SymDim) else int(g) for g in kernel.meta["grid"])
+    else:
+        grid = (blocks.subs(values), 1, 1) if isinstance(blocks, SymDim) else kernel.grid
+    meta = {k: v for k, v in kernel.meta.items() if k not in ("blocks", "grid")}
+    return Kernel(kernel.name, params, tuple(max(1, g) for g in grid), kernel.block, sub(kernel.body),
                   kernel.shared, kernel.local, meta)
 
 
