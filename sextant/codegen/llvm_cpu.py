@@ -41,7 +41,6 @@ from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.objects import DEFAULT_OPTIONS, PassOptions, build_objects, cache_key, optimize, source_fingerprint
 from sextant.codegen.race_check import CheckedCpuModule, KernelChecker, checks_enabled, report_symbol
 from sextant.codegen.scalar_math import I32, I64, ScalarMath, mem_type, reg_type
-from sextant.kernel.sizes import dim_expr
 from sextant.codegen.simt import (
     Item,
     LdmRead,
@@ -77,6 +76,7 @@ from sextant.kernel.ir import (
     Special,
     Var,
 )
+from sextant.kernel.sizes import dim_expr
 from sextant.runtime.cpu import CpuModule, estimate_work
 from sextant.schedule.target import host_vector_bytes
 

@@ -14,15 +14,16 @@ from collections.abc import Mapping, Sequence
 from sextant.errors import InputError
 from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.ops import IRTypeError
-from sextant.graph.symbolic import SymbolicShapeError, SymDim, describe, graph_symbols, substitute
+from sextant.graph.symbolic import Bounds, SymbolicShapeError, SymDim, describe, graph_symbols, substitute
 
 
 def is_symbolic_graph(graph: Graph) -> bool:
     return bool(graph_symbols(graph))
 
 
-def solve(graph: Graph, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
-    """The value of every symbol of ``graph`` given its inputs' concrete ``shapes``."""
+def solve(graph: Graph, shapes: Sequence[Sequence[int]], symbols: Bounds | None = None) -> dict[str, int]:
+    """The value of every symbol of ``graph`` given its inputs' concrete ``shapes``; ``symbols``: the
+    graph's symbols when the caller has them (``graph_symbols`` walks the whole graph)."""
     names = [n.attr("name") for n in graph.inputs]
     if len(shapes) != len(graph.inputs):
         raise InputError(f"graph @{graph.name} takes {len(graph.inputs)} inputs, got {len(shapes)}")
@@ -41,7 +42,7 @@ def solve(graph: Graph, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
                 values.setdefault(sym, int(size))
                 where.setdefault(sym, f"input {name!r} dimension {axis}")
     _solve_derived(names, graph.inputs, shapes, values, where)
-    for sym, lo, hi in graph_symbols(graph):
+    for sym, lo, hi in graph_symbols(graph) if symbols is None else symbols:
         if sym not in values:
             raise InputError(f"the size {sym} is no input's dimension; it cannot be read off the call")
         if not lo <= values[sym] <= hi:

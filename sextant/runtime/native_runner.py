@@ -21,6 +21,7 @@ import torch
 
 from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
 from sextant.graph.bind import solve
+from sextant.kernel.sizes import instantiate
 from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
 from sextant.schedule.program import Layout, Program
 
@@ -70,6 +71,7 @@ class NativeRunner:
                 raise LaunchError(f"kernel {k.name} takes {len(launch.args) + len(k.sizes)} arguments; the "
                                   f"executor passes at most {MAX_ARGS}")
         self._plans: dict[tuple, tuple[ctypes.Array, ctypes.Array, int]] = {}
+        self._bindings: dict[tuple, dict[str, int]] = {}  # input shapes -> the symbols' values
         self._inputs = [b.index for b in program.buffers if b.kind == "input"]
         self._outputs = [b for b in program.buffers if b.kind == "output"]
         self._local = threading.local()
@@ -84,9 +86,14 @@ class NativeRunner:
             return hit
         program, nthreads = self.program, workers()
         parallel, split_work = [], 0
+        values = dict(layout.binding)
+        estimates: dict[str, int] = {}  # a kernel over sizes is estimated at this binding's instance
         for launch, blocks in zip(program.launches, layout.blocks):
             k = program.kernels[launch.kernel]
-            work = estimate_work(k) * blocks // max(1, k.num_blocks)
+            if k.name not in estimates:
+                at = instantiate(k, values) if k.sizes else k
+                estimates[k.name] = estimate_work(at) // max(1, at.num_blocks)
+            work = estimates[k.name] * blocks
             parallel.append(nthreads > 1 and blocks >= 2 and work >= PARALLEL_WORK)
             split_work += work if parallel[-1] else 0
         if split_work < SINGLE_WORKER_WORK:  # a second thread would cost more than it saves
@@ -141,7 +148,13 @@ class NativeRunner:
         p = self.program
         if not p.symbols:
             return p.layout()
-        return p.layout(solve(p.graph, [tuple(x.shape) for x in inputs]))
+        shapes = tuple(tuple(x.shape) for x in inputs)
+        binding = self._bindings.get(shapes)
+        if binding is None:
+            binding = solve(p.graph, shapes, p.symbols)
+            if len(self._bindings) < 256:
+                self._bindings[shapes] = binding
+        return p.layout(binding)
 
     def _bind(self, inputs: Sequence[torch.Tensor]
               ) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor], Layout]:

@@ -36,7 +36,7 @@ def _models() -> dict[str, tuple[Callable[[], tuple[torch.nn.Module, tuple]], di
 
     tokens = {0: Dim("batch", min=1, max=8), 1: Dim("seq", min=1, max=256)}
     return {
-        "gpt2 2-layer (128 wide)": (lambda: gpt2(n_layer=2, batch=2, seq=16), tokens,
+        "gpt2 2-layer (128 wide)": (lambda: gpt2(n_layer=2, batch=2, seq=256), tokens,
                                     [(1, 1), (1, 7), (1, 128), (4, 100)], ids),
         "llama (zoo)": (ZOO["llama"], tokens, [(1, 1), (1, 7), (1, 128), (4, 100)], ids),
         "resnet50 (zoo)": (ZOO["resnet50"], {0: Dim("batch", min=1, max=8)}, [(1, 3, 64, 64), (3, 3, 64, 64),
