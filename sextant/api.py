@@ -143,7 +143,7 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
     why_not = symbolic_refusal(target)
     if why_not is None:
         try:
-            return _compile_symbolic_cpu(captured, pipeline, print_after_all, stream, _steps(progress))
+            return _compile_symbolic(captured, target, arch, pipeline, print_after_all, stream, _steps(progress))
         except SymbolicShapeError as e:
             why_not = str(e)
     log.info("sextant: @%s is compiled per binding of its sizes: %s", captured.name, why_not)
@@ -168,15 +168,15 @@ def symbolic_refusal(target: str) -> str | None:
     """Why ``target`` cannot compile one program for every size (None: it can try)."""
     from sextant.codegen.race_check import checks_enabled
 
-    if target != "cpu":
-        return f"target {target!r} has no kernels over symbolic sizes yet (only 'cpu')"
+    if target not in ("cpu", "cuda-sim"):
+        return f"target {target!r} does not run kernels over symbolic sizes yet (cpu and cuda-sim do)"
     if checks_enabled(None):
         return "the race-checked CPU build checks static kernels only"
     return None
 
 
-def _compile_symbolic_cpu(captured: Graph, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
-                          step: StageHook) -> CompiledModule:
+def _compile_symbolic(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],
+                      print_after_all: bool, stream: TextIO, step: StageHook) -> CompiledModule:
     """One program for every binding of the sizes: kernels take the sizes as arguments, the runner
     binds them (and plans memory) per call. Raises ``SymbolicShapeError`` where a pass or mapping
     needs a concrete size; the caller then compiles per binding."""
@@ -184,6 +184,8 @@ def _compile_symbolic_cpu(captured: Graph, pipeline: str | Sequence[str], print_
 
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
+    if target == "cuda-sim":
+        return _compile_cuda_sim(graph, {"captured": captured}, arch or "sm_90", step)
     return _compile_cpu(graph, {"captured": captured}, step)
 
 

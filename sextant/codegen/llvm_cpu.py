@@ -328,8 +328,8 @@ class _KernelLowering(LoweringBase):
             slot = self.b.gep(args, [self._i32(len(k.params) + j)], inbounds=True, source_etype=PTR)
             raw = self.b.ptrtoint(self.b.load(slot, typ=PTR), I64)
             name = size.var.name
-            if name not in self.slots:  # a size the body never reads
-                continue
+            if name not in self.slots:  # a size only the grid reads
+                self.slots[name] = self._array(I32, 1, f"r.{name}")
             if name in plan.per_thread_vars:
                 raise self._fail(f"size argument {name} is per-thread")
             self.b.store(self.b.trunc(raw, I32, name=name), self.slots[name])

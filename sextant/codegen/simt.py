@@ -269,9 +269,10 @@ class _Uniformity:
     """Which registers hold the same value in every thread of a block (optimistic fixpoint:
     a register is uniform unless some assignment to it is thread-dependent)."""
 
-    def __init__(self, body: Sequence[Stmt], block: tuple[int, int, int]):
+    def __init__(self, body: Sequence[Stmt], block: tuple[int, int, int], sizes: Sequence[str] = ()):
         self.block = block
-        self.vars: set[str] = {v.name for s in iter_stmts(body) for v in _defined(s)}
+        self.sizes = frozenset(sizes)  # size arguments: the same in every thread, never assigned
+        self.vars: set[str] = {v.name for s in iter_stmts(body) for v in _defined(s)} | self.sizes
         changed = True
         while changed:
             before = len(self.vars)
@@ -325,7 +326,7 @@ def plan_kernel(kernel: Kernel, *, mark_barriers: bool = False) -> SimtPlan:
     var_types = register_types(kernel, body)
     if threads == 1 or not any(has_sync(s) for s in body):
         return SimtPlan(threads, [Phase(tuple(body), 0, False)] if body else [], var_types)
-    planner = _Planner(kernel, _Uniformity(body, kernel.block), mark_barriers)
+    planner = _Planner(kernel, _Uniformity(body, kernel.block, [s.var.name for s in kernel.sizes]), mark_barriers)
     items = planner.split(body, False)
     live = _Liveness(planner.uniform_loop_vars)
     live.items(items, frozenset())
@@ -334,7 +335,9 @@ def plan_kernel(kernel: Kernel, *, mark_barriers: bool = False) -> SimtPlan:
         if len(phases) > 1 or name in live.local_in_loop
     )
     locals_ = {b.name for b in kernel.local}
-    return SimtPlan(threads, items, var_types | planner.extra_vars, frozenset(live.cross - planner.uniform_loop_vars),
+    sizes = {s.var.name for s in kernel.sizes}  # set once on entry and never written: one slot for all threads
+    return SimtPlan(threads, items, var_types | planner.extra_vars,
+                    frozenset(live.cross - planner.uniform_loop_vars - sizes),
                     frozenset(planner.uniform_loop_vars), per_thread_locals & locals_, planner.exchanges,
                     planner.exchange_sizes)
 

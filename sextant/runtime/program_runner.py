@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sextant.schedule.program import Program
+from sextant.graph.bind import solve
+from sextant.schedule.program import Layout, Program
 
 LaunchFn = Callable[[str, list[torch.Tensor], int], None]
 
@@ -24,29 +25,52 @@ class ProgramRunner:
         self._params = {i: t.contiguous() for i, t in program.constants.items()}
         self._local = threading.local()
 
-    def _arena_views(self) -> dict[int, torch.Tensor]:
-        views = getattr(self._local, "views", None)
+    def layout(self, inputs: Sequence[torch.Tensor]) -> Layout:
+        """The program's sizes for these inputs (for a program over symbolic sizes: solved from their
+        shapes, checked against the declared ranges)."""
+        p = self.program
+        if not p.symbols:
+            return p.layout()
+        return p.layout(solve(p.graph, [tuple(x.shape) for x in inputs], p.symbols))
+
+    def _arena_views(self, layout: Layout) -> dict[int, torch.Tensor]:
+        """This thread's views of the temps at ``layout``, in one arena grown to the largest binding."""
+        cache = getattr(self._local, "views", None)
+        if cache is None:
+            cache = self._local.views = {}
+            self._local.arena = torch.empty(0, dtype=torch.uint8)
+        views = cache.get(layout.binding)
         if views is None:
-            arena = torch.empty(self.program.arena_bytes, dtype=torch.uint8)
-            views = {}
+            if layout.arena_bytes > self._local.arena.numel():
+                self._local.arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
+                cache.clear()
+            arena, views = self._local.arena, {}
             for b in self.program.buffers:
                 if b.kind == "temp":
-                    raw = arena[b.offset:b.offset + b.nbytes]
-                    views[b.index] = raw.view(b.node.dtype.torch).view(b.node.shape)
-            self._local.arena, self._local.views = arena, views
+                    raw = arena[layout.offsets[b.index]:layout.offsets[b.index] + layout.nbytes(self.program, b.index)]
+                    views[b.index] = raw.view(b.node.dtype.torch).view(layout.shapes[b.index])
+            cache[layout.binding] = views
+            if len(cache) > 64:
+                cache.pop(next(iter(cache)))
         return views
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
+        layout = self.layout(inputs)
         tensors: dict[int, torch.Tensor] = dict(self._params)
-        tensors.update(self._arena_views())
+        tensors.update(self._arena_views(layout))
         for b, x in zip(p.buffers, inputs):  # inputs come first, in graph order
             tensors[b.index] = x.contiguous()
         for b in p.buffers:
             if b.kind == "output":
-                tensors[b.index] = torch.empty(b.node.shape, dtype=b.node.dtype.torch)
-        for launch in p.launches:
-            self._launch(launch.kernel, [tensors[a] for a in launch.args], launch.blocks)
+                tensors[b.index] = torch.empty(layout.shapes[b.index], dtype=b.node.dtype.torch)
+        values = dict(layout.binding)
+        for launch, blocks in zip(p.launches, layout.blocks):
+            args = [tensors[a] for a in launch.args]
+            if p.kernels[launch.kernel].sizes:
+                self._launch(launch.kernel, args, blocks, sizes=values)  # type: ignore[call-arg]
+            else:
+                self._launch(launch.kernel, args, blocks)
         out = []
         for i in p.outputs:
             t = tensors[i]

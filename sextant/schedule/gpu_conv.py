@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Cast, Expr, Kernel, Load
 from sextant.schedule.gpu_kernels import (
     MM_MICRO_M,
@@ -85,6 +86,8 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     Falls back to the direct mapping (:func:`~sextant.schedule.gpu_kernels.gpu_direct_conv_kernel`)
     below ``CONV_GEMM_MIN_CHANNELS`` output channels per group — depthwise convolutions, where all
     but one row of each 64-row tile would be zeros."""
+    if is_symbolic(group.anchor.shape):
+        raise SymbolicShapeError("the GPU convolutions need static sizes (each binding is compiled on its own)")
     cv = group.anchor
     x, w = cv.inputs
     groups: int = cv.attr("groups")

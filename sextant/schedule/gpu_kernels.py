@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.graph.symbolic import Dim, SymbolicShapeError, SymDim, is_symbolic
 from sextant.kernel.ir import (
     Assign,
     Barrier,
@@ -43,6 +44,7 @@ from sextant.kernel.ir import (
     WarpReduce,
 )
 from sextant.kernel.ranges import assigned_names, contains_load, free_names
+from sextant.kernel.sizes import capacity, with_grid
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -50,12 +52,14 @@ from sextant.schedule.indexing import (
     c,
     combine_op,
     delinearize,
+    divisible,
     iadd,
     idiv,
     imin,
     imod,
     imul,
     linearize,
+    may_be_nonzero,
     reduce_identity,
 )
 from sextant.schedule.kernels import conv_accumulate, regs_ready, setup_kernel, store_epilogue
@@ -125,14 +129,15 @@ def _threads_for(numel: int, target: TargetDesc, limit: int) -> int:
     return max(warp, min(limit, -(-numel // warp) * warp))
 
 
-def _grid(e: ValueEmitter, extents: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[Expr, ...]]:
+def _grid(e: ValueEmitter, extents: tuple[Dim, Dim, Dim]) -> tuple[tuple[Dim, Dim, Dim], tuple[Expr, ...]]:
     """The launch grid for logical block coordinates of the given extents, and their expressions.
 
-    The coordinates are ``bid.x/y/z`` when y and z fit CUDA's 65535 limit; otherwise all of them
-    are folded into ``bid.x`` (x innermost) and recovered by division."""
-    ex, ey, ez = (max(1, x) for x in extents)
-    if ey <= MAX_GRID_YZ and ez <= MAX_GRID_YZ:
-        return (ex, ey, ez), (BID_X, BID_Y if ey > 1 else c(0), BID_Z if ez > 1 else c(0))
+    The coordinates are ``bid.x/y/z`` when y and z fit CUDA's 65535 limit (a symbolic extent: at its
+    upper bound); otherwise all of them are folded into ``bid.x`` (x innermost) and recovered by
+    division."""
+    ex, ey, ez = (x if isinstance(x, SymDim) else max(1, x) for x in extents)
+    if capacity(ey) <= MAX_GRID_YZ and capacity(ez) <= MAX_GRID_YZ:
+        return (ex, ey, ez), (BID_X, BID_Y if capacity(ey) > 1 else c(0), BID_Z if capacity(ez) > 1 else c(0))
     bx = e.bind(imod(BID_X, ex), "bx")
     rest = idiv(BID_X, ex)
     by = e.bind(imod(rest, ey), "by")
@@ -160,8 +165,8 @@ def elementwise_vector_width(out: Node, target: TargetDesc) -> int:
     if not out.shape:
         return 1
     width = max(1, target.vector_bytes // out.dtype.itemsize)
-    numel = out.type.numel
-    if width == 1 or out.shape[-1] % width or numel // width < target.cores * ELEMENTWISE_THREADS:
+    numel = capacity(out.type.numel)  # a symbolic size: as large as it may get
+    if width == 1 or not divisible(out.shape[-1], width) or numel // width < target.cores * ELEMENTWISE_THREADS:
         return 1
     return width
 
@@ -200,9 +205,9 @@ def gpu_elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, n
     numel = out.type.numel
     width = elementwise_vector_width(out, target)
     items = numel // width
-    threads = _threads_for(items, target, ELEMENTWISE_THREADS)
-    blocks = max(1, -(-items // threads))
-    if numel:
+    threads = _threads_for(capacity(items), target, ELEMENTWISE_THREADS)
+    blocks = -(-items // threads) if isinstance(items, SymDim) else max(1, -(-items // threads))
+    if may_be_nonzero(numel):
         i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
 
         def body() -> None:
@@ -222,9 +227,10 @@ def gpu_elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, n
                 for k, (o, v) in enumerate(zip(group.outputs, vals)):
                     e.emit(Store(f"out{k}", linearize(idx, o.shape), v))
 
-        _guarded(e, _bool("lt", i, c(items)) if items % threads else None, body)
+        _guarded(e, None if divisible(items, threads) else _bool("lt", i, c(items)), body)
     meta = {"mapping": "thread-per-element" if width == 1 else f"thread-per-{width}-elements", "vector": width}
-    return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts), meta=meta)
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (threads, 1, 1), tuple(e.stmts), meta=meta),
+                     (blocks, 1, 1))
 
 
 # -- reductions ----------------------------------------------------------------------------------------
@@ -315,9 +321,10 @@ def _store_row(e: ValueEmitter, rs: _Rows, row_idx: Index, lane: Expr, lanes: in
     _guarded(e, valid, stores)
 
 
-def _warp_width(n_red: int, target: TargetDesc) -> int:
-    """Lanes per row for short rows: the warp, or the smallest power of two ≥ the row length."""
-    return min(target.warp, 1 << max(0, n_red - 1).bit_length())
+def _warp_width(n_red: Dim, target: TargetDesc) -> int:
+    """Lanes per row for short rows: the warp, or the smallest power of two ≥ the row length (a
+    symbolic length: its upper bound)."""
+    return min(target.warp, 1 << max(0, capacity(n_red) - 1).bit_length())
 
 
 def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
@@ -348,19 +355,19 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
     e, params, _ = setup_kernel(group, stored)
     meta: dict = {}
     shared: list[Buffer] = []
-    if rs.n_red <= SHORT_ROW:
+    if capacity(rs.n_red) <= SHORT_ROW:
         lanes = _warp_width(rs.n_red, target)
         per_warp = max(1, target.warp // lanes)  # rows a warp holds
         max_rows = REDUCE_THREADS // lanes
-        want = -(-rs.rows // target.cores)  # rows per block that would give every SM a block
+        want = -(-capacity(rs.rows) // target.cores)  # rows per block that would give every SM a block
         rows_per_block = min(max_rows, max(per_warp, -(-want // per_warp) * per_warp))
         block = (lanes, rows_per_block, 1)
-        blocks = max(1, -(-rs.rows // rows_per_block))
+        blocks = -(-rs.rows // rows_per_block) if isinstance(rs.rows, SymDim) else max(1, -(-rs.rows // rows_per_block))
         meta = {"mapping": "warp-per-row", "lanes_per_row": lanes, "rows_per_block": rows_per_block}
-        if rs.rows:
+        if may_be_nonzero(rs.rows):
             lane = TID_X if lanes > 1 else c(0)
             row = e.bind(iadd(imul(BID_X, rows_per_block), TID_Y if rows_per_block > 1 else c(0)), "row")
-            ragged = rs.rows % rows_per_block != 0
+            ragged = not divisible(rs.rows, rows_per_block)
             valid = _bool("lt", row, c(rs.rows)) if ragged else None
             r = e.bind(imin(row, c(rs.rows - 1)), "r") if ragged else row
 
@@ -378,9 +385,9 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
         threads = REDUCE_THREADS
         warps = threads // target.warp
         block = (threads, 1, 1)
-        blocks = max(1, rs.rows)
+        blocks = rs.rows if isinstance(rs.rows, SymDim) else max(1, rs.rows)
         meta = {"mapping": "block-per-row", "threads": threads}
-        if rs.rows:
+        if may_be_nonzero(rs.rows):
             lane_in_warp = e.bind(imod(TID_X, target.warp), "lane")
             warp_id = e.bind(idiv(TID_X, target.warp), "warp")
 
@@ -404,7 +411,8 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
             _reduce_row(e, rs, row_idx, TID_X, threads, block_combine)
             _store_row(e, rs, row_idx, TID_X, threads, None)
     _check_shared(name, shared, target)
-    return Kernel(name, tuple(params), (blocks, 1, 1), block, tuple(e.stmts), shared=tuple(shared), meta=meta)
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), block, tuple(e.stmts), shared=tuple(shared), meta=meta),
+                     (blocks, 1, 1))
 
 
 # -- tiled GEMM pieces (the matmul and the implicit-GEMM convolution) -----------------------------------
@@ -457,7 +465,7 @@ class GemmTiles:
             slot = iadd(imul(r, cols), ct)
             extra, value = element(gr, gc)
             guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((gr, row_lim, rows), (gc, col_lim, cols))
-                          if lim % tile] + extra)
+                          if not divisible(lim, tile)] + extra)
 
             def load(slot: Expr = slot, value: Callable[[], Expr] = value) -> None:
                 e.emit(Store(buf, slot, self.as_acc(value())))
@@ -505,7 +513,7 @@ class GemmTiles:
             def out_col(j: Var) -> None:
                 col = e.bind(iadd(iadd(j0, TID_X), imul(j, nx)), "col")
                 guard = _and([_bool("lt", x, c(lim)) for x, lim, tile in ((row, m, MM_TILE_M), (col, n, MM_TILE_N))
-                              if lim % tile])
+                              if not divisible(lim, tile)])
 
                 def element() -> None:
                     value = Load("acc", iadd(imul(i, rn), j), acc_t)
@@ -524,8 +532,8 @@ class GemmTiles:
         """The finished kernel: block 16×16, the two shared tiles, the register micro-tile."""
         shared = (self.a_tile, self.b_tile)
         _check_shared(name, list(shared), target)
-        return Kernel(name, tuple(params), grid, (MM_THREADS_X, MM_THREADS_Y, 1), tuple(self.e.stmts),
-                      shared=shared, local=(self.acc,), meta=meta)
+        return with_grid(Kernel(name, tuple(params), (1, 1, 1), (MM_THREADS_X, MM_THREADS_Y, 1), tuple(self.e.stmts),
+                                shared=shared, local=(self.acc,), meta=meta), grid)
 
 
 # -- matmul ---------------------------------------------------------------------------------------------
@@ -563,8 +571,8 @@ def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
     tiles = GemmTiles(e, accum_dtype(mm.dtype))
     grid, (bn, bm, bz) = _grid(e, (-(-n // MM_TILE_N), -(-m // MM_TILE_M), nb))
     meta = {"mapping": "tiled", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K), "micro_tile": (MM_MICRO_M, MM_MICRO_N)}
-    if not mm.type.numel:
-        return Kernel(name, tuple(params), grid, (MM_THREADS_X, MM_THREADS_Y, 1), (), meta=meta)
+    if not may_be_nonzero(mm.type.numel):
+        return with_grid(Kernel(name, tuple(params), (1, 1, 1), (MM_THREADS_X, MM_THREADS_Y, 1), (), meta=meta), grid)
     bidx = delinearize(bz, batch) if batch else ()
     i0, j0 = tiles.start(bm, bn)
 
@@ -593,6 +601,8 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
     fewer than ``CONV_GEMM_MIN_CHANNELS`` output channels per group (depthwise ones), where the
     implicit GEMM's 64-row tiles would be mostly empty."""
     cv = group.anchor
+    if is_symbolic(cv.shape):
+        raise SymbolicShapeError("the GPU convolutions need static sizes (each binding is compiled on its own)")
     e, params, _ = setup_kernel(group, stored)
     numel = cv.type.numel
     acc_t = accum_dtype(cv.dtype)
@@ -622,6 +632,10 @@ from sextant.schedule.gpu_tf32 import gpu_tf32_matmul_kernel, uses_tf32  # noqa:
 def gpu_matmul(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """Tensor cores for f16/bf16 on sm_80+ (``gpu_mma``) and for f32 when tf32 is allowed
     (``gpu_tf32``), else the CUDA-core tiled GEMM (exact fp32)."""
+    tensor_cores = uses_tensor_cores(group, target) or uses_tf32(group, target)
+    if tensor_cores and is_symbolic(group.anchor.shape + group.anchor.inputs[0].shape):
+        raise SymbolicShapeError("the tensor-core GEMMs need static sizes (tile choice, cp.async tails): each "
+                                 "binding is compiled on its own")
     if uses_tensor_cores(group, target):
         return gpu_mma_matmul_kernel(group, stored, target, name)
     if uses_tf32(group, target):

@@ -17,7 +17,7 @@ import torch
 
 from sextant.graph.ir import Graph, Node
 from sextant.graph.reference import eval_node
-from sextant.graph.symbolic import Bounds, Dim, SymbolicShapeError, graph_symbols, substitute
+from sextant.graph.symbolic import Bounds, Dim, graph_symbols, substitute
 from sextant.kernel import simplify_kernel, verify_kernel
 from sextant.kernel.ir import Kernel, Size
 from sextant.kernel.sizes import check_binding, launch_blocks, with_sizes
@@ -218,9 +218,6 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     fusion and kernel generation did."""
     work = work if work is not None else WorkCounter()
     bounds = graph_symbols(graph)
-    if bounds and target.is_gpu:
-        raise SymbolicShapeError("GPU kernels over symbolic sizes are not generated yet (each binding of the "
-                                 "sizes is scheduled on its own)")
     split_notes: list[str] = []
     if not target.is_gpu:
         graph = explicit_padding(graph)

@@ -31,6 +31,7 @@ from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node
 from sextant.graph.passes.rewrite import replace_nodes
+from sextant.graph.symbolic import is_symbolic
 from sextant.schedule.attention_match import match_attention
 from sextant.schedule.gpu_mma import CANDIDATES, tensor_core_product
 from sextant.schedule.target import TargetDesc
@@ -50,7 +51,9 @@ def split_factor(m: int, n: int, k: int, batch: int, target: TargetDesc) -> int:
     As many slices as keep the smallest candidate tile's blocks within one wave over the SMs (a
     problem that already occupies more than half of them is left alone: a second, partial wave
     would cost what the split saves), no more than ``k // MIN_SLICE_K`` (short slices are all
-    prologue and epilogue) nor :data:`MAX_SPLITS`."""
+    prologue and epilogue) nor :data:`MAX_SPLITS`. Symbolic sizes: none (the waves depend on them)."""
+    if is_symbolic((m, n, k, batch)):
+        return 1
     s = min(target.cores // small_tiles(m, n, batch), k // MIN_SLICE_K, MAX_SPLITS)
     return s if s >= 2 else 1
 
