@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Cast, Expr, Kernel, Load
+from sextant.kernel.sizes import with_grid
 from sextant.schedule.gpu_kernels import (
     MM_MICRO_M,
     MM_MICRO_N,
@@ -39,7 +40,7 @@ from sextant.schedule.gpu_kernels import (
     gpu_direct_conv_kernel,
 )
 from sextant.schedule.gpu_mma import TC_DTYPES, Operand, choose_tile, emit_mma_gemm, sm_version
-from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul
+from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul, may_be_nonzero
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
@@ -86,8 +87,13 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     Falls back to the direct mapping (:func:`~sextant.schedule.gpu_kernels.gpu_direct_conv_kernel`)
     below ``CONV_GEMM_MIN_CHANNELS`` output channels per group — depthwise convolutions, where all
     but one row of each 64-row tile would be zeros."""
-    if is_symbolic(group.anchor.shape):
-        raise SymbolicShapeError("the GPU convolutions need static sizes (each binding is compiled on its own)")
+    cv_ = group.anchor
+    if is_symbolic(cv_.shape[1:]) or is_symbolic(cv_.inputs[0].shape[1:]):
+        raise SymbolicShapeError("the GPU convolutions need static channels and spatial sizes (each binding is "
+                                 "compiled on its own)")
+    if is_symbolic(cv_.shape) and conv_uses_tensor_cores(group, target):
+        raise SymbolicShapeError("the tensor-core implicit GEMM needs static sizes (each binding is compiled on "
+                                 "its own)")
     cv = group.anchor
     x, w = cv.inputs
     groups: int = cv.attr("groups")
@@ -108,9 +114,10 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     else:
         meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
                 "micro_tile": (MM_MICRO_M, MM_MICRO_N), "gemm": (cout_g, positions, k), "groups": groups}
-    if not cv.type.numel:
-        return Kernel(name, tuple(params), grid, (tc_tile.threads if tc_tile else MM_THREADS_X,
-                                                  1 if tc_tile else MM_THREADS_Y, 1), (), meta=meta)
+    if not may_be_nonzero(cv.type.numel):
+        return with_grid(Kernel(name, tuple(params), (1, 1, 1), (tc_tile.threads if tc_tile else MM_THREADS_X,
+                                                                 1 if tc_tile else MM_THREADS_Y, 1), (), meta=meta),
+                         grid)
     channel0 = imul(g, cout_g)
 
     def position(m: Expr) -> tuple[Expr, Index]:
@@ -159,8 +166,8 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
         shared, local = emit_mma_gemm(e, tc_tile, w.dtype, cout_g, positions, k, bm, bn, Operand(w_tile, chunk),
                                       Operand(x_tile), epilogue, out_dtype=cv.dtype)
         _check_shared(name, shared, target)
-        return Kernel(name, tuple(params), grid, (tc_tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
-                      local=local, meta=meta)
+        return with_grid(Kernel(name, tuple(params), (1, 1, 1), (tc_tile.threads, 1, 1), tuple(e.stmts),
+                                shared=tuple(shared), local=local, meta=meta), grid)
     tiles = GemmTiles(e, accum_dtype(cv.dtype))
     i0, j0 = tiles.start(bm, bn)
 

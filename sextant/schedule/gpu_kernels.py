@@ -601,14 +601,12 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
     fewer than ``CONV_GEMM_MIN_CHANNELS`` output channels per group (depthwise ones), where the
     implicit GEMM's 64-row tiles would be mostly empty."""
     cv = group.anchor
-    if is_symbolic(cv.shape):
-        raise SymbolicShapeError("the GPU convolutions need static sizes (each binding is compiled on its own)")
     e, params, _ = setup_kernel(group, stored)
     numel = cv.type.numel
     acc_t = accum_dtype(cv.dtype)
-    threads = _threads_for(numel, target, CONV_THREADS)
-    blocks = max(1, -(-numel // threads))
-    if numel:
+    threads = _threads_for(capacity(numel), target, CONV_THREADS)
+    blocks = -(-numel // threads) if isinstance(numel, SymDim) else max(1, -(-numel // threads))
+    if may_be_nonzero(numel):
         i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
 
         def body() -> None:
@@ -618,9 +616,9 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
             store_epilogue(e, group, oidx)
             e.regs.pop(id(cv))
 
-        _guarded(e, _bool("lt", i, c(numel)) if numel % threads else None, body)
-    return Kernel(name, tuple(params), (blocks, 1, 1), (threads, 1, 1), tuple(e.stmts),
-                  meta={"mapping": "thread-per-element"})
+        _guarded(e, None if divisible(numel, threads) else _bool("lt", i, c(numel)), body)
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (threads, 1, 1), tuple(e.stmts),
+                            meta={"mapping": "thread-per-element"}), (blocks, 1, 1))
 
 
 # (gpu_tf32 too is imported here, eagerly: a lazy import could bind a test's monkeypatched choose_tile)
