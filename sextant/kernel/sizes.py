@@ -52,6 +52,8 @@ def _sympy_expr(e: sympy.Expr) -> Expr:
         return Const(int(e), INDEX)
     if e.is_Symbol:
         return size_var(e.name)
+    if e.is_Mul and len(e.args) == 2 and e.args[0] == -1 and isinstance(e.args[1], sympy.floor):
+        return _sympy_expr(sympy.ceiling(-e.args[1].args[0]))  # -floor(-x) = ceil(x): one division, not three
     if e.is_Add or e.is_Mul:
         op = "add" if e.is_Add else "mul"
         terms = sorted(e.args, key=lambda t: (t.is_number, str(t)))  # constants last: ``n*4 + 1``
