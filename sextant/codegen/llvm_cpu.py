@@ -158,7 +158,7 @@ def kernel_key(kernel: Kernel, tm: llvm.TargetMachine, options: PassOptions, vec
     it up): the IR's complete dataclass form, the lowering's source and the vector width, and
     what ``objects.cache_key`` adds (toolchain, host CPU, pass options)."""
     k = kernel
-    ir_form = repr((k.name, k.params, k.grid, k.block, k.body, k.shared, k.local, k.sizes))
+    ir_form = repr((k.name, k.params, k.grid, k.block, k.body, k.shared, k.local, k.sizes, k.meta.get("grid")))
     return cache_key(f"kernel-ir {_lowering_fingerprint()} {vector_bytes}\n{ir_form}", tm, options)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from sextant.graph.ir import Graph, Node, topo_sort
+from sextant.graph.symbolic import is_symbolic
 
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil,
@@ -157,7 +158,7 @@ def constant_value(x: Node, params: Mapping[str, torch.Tensor],
     if id(x) in memo:
         return memo[id(x)]
     order = topo_sort([x])
-    if any(n.op == "input" or not isinstance(n.type.numel, int) for n in order):
+    if any(n.op == "input" or not isinstance(n.type.numel, int) or is_symbolic(n.attr("value")) for n in order):
         return None  # an input, or a size only a call knows, reaches it
     if sum(n.type.numel for n in order if n.op != "param") > 1 << 22:
         return None  # large constant subgraphs stay in the graph (constant folding may still run them)

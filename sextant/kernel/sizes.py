@@ -150,7 +150,7 @@ def _walk(node: Any, out: set[str], seen: set[int]) -> None:
 def with_sizes(kernel: Kernel, bounds: Bounds) -> Kernel:
     """``kernel`` taking as arguments the symbols of ``bounds`` it reads (in name order)."""
     used: set[str] = set()
-    _walk((kernel.params, kernel.body), used, set())
+    _walk((kernel.params, kernel.body, kernel.meta.get("grid", ())), used, set())
     sizes = tuple(Size(n, lo, hi) for n, lo, hi in bounds if n in used)
     unknown = used - {n for n, _, _ in bounds}
     if unknown:
@@ -202,11 +202,11 @@ def instantiate(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
 
 
 def verification_points(sizes: Iterable[Size]) -> list[dict[str, int]]:
-    """Sizes a symbolic kernel is verified at: every size at its least value, and every size at a
-    ragged value above it (7 past a multiple of 64 where the range allows, so tile tails and partial
+    """Sizes a symbolic kernel is verified at: every size at its least value (at least 1), and every
+    size at a ragged value above it (7 past a multiple of 64 where the range allows, so tile tails and partial
     blocks are exercised); each instance is checked exactly, index by index."""
     sizes = list(sizes)
-    low = {s.name: s.lo for s in sizes}
+    low = {s.name: min(s.hi, max(s.lo, 1)) for s in sizes}  # a size of 0 launches nothing to check
     ragged = {s.name: min(s.hi, max(s.lo, 64 * (s.lo // 64 + 1) + 7)) for s in sizes}
     return [low] if ragged == low else [low, ragged]
 

@@ -90,6 +90,9 @@ class NativeRunner:
         estimates: dict[str, int] = {}  # a kernel over sizes is estimated at this binding's instance
         for launch, blocks in zip(program.launches, layout.blocks):
             k = program.kernels[launch.kernel]
+            if not 0 <= blocks <= k.num_blocks:  # the kernel's grid is its capacity
+                raise LaunchError(f"kernel {k.name}: {blocks} blocks at {dict(layout.binding)}, more than its "
+                                  f"capacity of {k.num_blocks}")
             if k.name not in estimates:
                 at = instantiate(k, values) if k.sizes else k
                 estimates[k.name] = estimate_work(at) // max(1, at.num_blocks)
@@ -108,8 +111,9 @@ class NativeRunner:
             argidx += [*launch.args, *sizes]
         assert len(plan) == 1 + FIELDS * len(program.launches)
         out = ((ctypes.c_int32 * len(plan))(*plan), (ctypes.c_int32 * max(1, len(argidx)))(*argidx), nworkers)
-        if len(self._plans) < 256:
-            self._plans[layout.binding] = out
+        self._plans[layout.binding] = out
+        if len(self._plans) > 256:  # bounded, oldest first out
+            self._plans.pop(next(iter(self._plans)))
         return out
 
     def _state(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
@@ -152,8 +156,9 @@ class NativeRunner:
         binding = self._bindings.get(shapes)
         if binding is None:
             binding = solve(p.graph, shapes, p.symbols)
-            if len(self._bindings) < 256:
-                self._bindings[shapes] = binding
+            self._bindings[shapes] = binding
+            if len(self._bindings) > 256:  # bounded, oldest first out
+                self._bindings.pop(next(iter(self._bindings)))
         return p.layout(binding)
 
     def _bind(self, inputs: Sequence[torch.Tensor]

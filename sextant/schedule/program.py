@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sextant.errors import InputError
 from sextant.graph.ir import Graph, Node
 from sextant.graph.reference import eval_node
 from sextant.graph.symbolic import Bounds, Dim, graph_symbols, substitute
@@ -50,6 +51,9 @@ class Launch:
     group: int  # index into Program.groups
     args: tuple[int, ...]  # buffer indices, in the kernel's parameter order
     blocks: Dim  # symbolic in a program over symbolic sizes: evaluated per call (Layout)
+
+
+INDEX_LIMIT = 2**31 - 1 - 2**16  # elements a buffer may have: i32 indices, with room for tile rounding
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,13 @@ class Program:
             check_binding([Size(*b) for b in self.symbols], values, f"graph @{self.graph.name}")
         shapes = tuple(tuple(substitute(b.node.shape, values)) for b in self.buffers)
         if self.symbols:
+            for b, shape in zip(self.buffers, shapes):
+                if math.prod(shape) > INDEX_LIMIT:
+                    raise InputError(
+                        f"with {', '.join(f'{k}={v}' for k, v in key)} the value {b.node.op} at "
+                        f"{b.node.loc or '?'} has {math.prod(shape)} elements: kernels index with 32-bit "
+                        f"integers (at most {INDEX_LIMIT})")
+        if self.symbols:
             nbytes = [math.prod(sh) * b.node.dtype.itemsize for sh, b in zip(shapes, self.buffers)]
             first, last = _lifetimes(self.launches)
             temps = [b.index for b in self.buffers if b.kind == "temp"]
@@ -112,8 +123,9 @@ class Program:
         blocks = tuple(int(substitute(la.blocks, values)) for la in self.launches)
         sizes = tuple(tuple(values[sz.name] for sz in self.kernels[la.kernel].sizes) for la in self.launches)
         out = Layout(key, shapes, offsets, arena, blocks, sizes)
-        if len(self._layouts) < 256:  # bounded: a stream of distinct sizes must not grow memory forever
-            self._layouts[key] = out
+        self._layouts[key] = out
+        if len(self._layouts) > 256:  # bounded: a stream of distinct sizes must not grow memory forever
+            self._layouts.pop(next(iter(self._layouts)))
         return out
 
     @property
@@ -249,7 +261,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
             constants[buffer(n, "param")] = graph.params[n.attr("name")]
     graph_outputs = {id(o) for o in graph.outputs}
     mappings = {**(GPU_MAPPINGS if target.is_gpu else MAPPINGS), "attention": attention_kernel}
-    unique: dict[Kernel, str] = {}
+    unique: dict[tuple, str] = {}
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []
     for gi, g in enumerate(groups):
@@ -258,7 +270,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         k = mappings[g.kind](g, stored, target, "kernel")
         work.add("kernels: generated")
         work.add("kernels: statements", _statements(k.body))
-        key = dataclasses.replace(k, name="")
+        key = (dataclasses.replace(k, name=""), k.meta.get("grid"), k.meta.get("blocks"))
         name = unique.get(key)
         if name is None:
             name = f"{g.kind}_{len(kernels)}"

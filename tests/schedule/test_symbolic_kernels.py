@@ -176,3 +176,29 @@ def test_kernel_dedup_keeps_the_sizes() -> None:
     for rows in (2, 3, 100):
         x = torch.randn(rows, 16)
         torch.testing.assert_close(cm(x), model(x))
+
+
+def test_a_size_that_may_be_zero_is_verified_where_blocks_run() -> None:
+    """A symbol whose range starts at 0: the GPU row mappings launch no block at 0 rows, so the
+    verifier checks the smallest non-empty size instead (it once checked a one-block instance of an
+    empty launch and refused the kernel)."""
+    model = _RowSum().eval()
+    for target in ("cpu", "cuda-sim"):
+        cm = sextant.compile(model, (torch.randn(3, 16),), target=target,
+                             dynamic_shapes={"x": {0: Dim("rows", min=0, max=1000)}})
+        _one_program(cm)
+        for rows in (0, 1, 999):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(cm(x), model(x))
+
+
+class _RowSum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(1) * 2
+
+
+def test_sizes_past_32_bit_indexing_are_refused() -> None:
+    program = sextant.compile(_RowSum().eval(), (torch.randn(3, 16),), target="cpu",
+                              dynamic_shapes={"x": {0: Dim("rows")}}).stages["program"]
+    with pytest.raises(InputError, match="32-bit"):
+        program.layout({program.symbols[0][0]: 2**28})
