@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 from sextant.graph.ops import BINARY, MOVEMENT, UNARY, UNARY_FLOAT
+from sextant.graph.symbolic import SymbolicShapeError
 from sextant.schedule.program import Launch, Program
 
 FREE_OPS = MOVEMENT | {"cast", "full", "iota", "input", "param"}
@@ -125,6 +126,9 @@ def _needed_elements(v: Node, users: dict[int, list[Node]]) -> int:
 
 
 def launch_cost(program: Program, index: int) -> LaunchCost:
+    if program.symbols:  # flops and bytes would be polynomials of the sizes
+        raise SymbolicShapeError("the cost report needs a static program: compile without dynamic_shapes (or "
+                                 "bind the graph to one size) to report on it")
     launch = program.launches[index]
     group = program.groups[launch.group]
     nodes = program.computed_nodes(launch)
