@@ -23,7 +23,7 @@ from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, execut
 from sextant.graph.bind import solve
 from sextant.kernel.sizes import instantiate
 from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
-from sextant.schedule.program import Layout, Program
+from sextant.schedule.program import Layout, Program, bounded_put
 
 # estimated statement executions (``estimate_work``) of all splittable launches below which the
 # whole forward runs on the calling thread: waking the second worker and meeting it at barriers
@@ -111,9 +111,7 @@ class NativeRunner:
             argidx += [*launch.args, *sizes]
         assert len(plan) == 1 + FIELDS * len(program.launches)
         out = ((ctypes.c_int32 * len(plan))(*plan), (ctypes.c_int32 * max(1, len(argidx)))(*argidx), nworkers)
-        self._plans[layout.binding] = out
-        if len(self._plans) > 256:  # bounded, oldest first out
-            self._plans.pop(next(iter(self._plans)))
+        bounded_put(self._plans, layout.binding, out)
         return out
 
     def _state(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
@@ -142,9 +140,8 @@ class NativeRunner:
             for name, value in layout.binding:
                 slots[self._size_slot[name]] = value
             sync = (ctypes.c_int32 * 2)()
-            st = states[layout.binding] = (slots, sync, tensors)
-            if len(states) > 64:  # bounded, like the plans
-                states.pop(next(iter(states)))
+            st = (slots, sync, tensors)
+            bounded_put(states, layout.binding, st, 64)
         return st
 
     def layout(self, inputs: Sequence[torch.Tensor]) -> Layout:
@@ -156,9 +153,7 @@ class NativeRunner:
         binding = self._bindings.get(shapes)
         if binding is None:
             binding = solve(p.graph, shapes, p.symbols)
-            self._bindings[shapes] = binding
-            if len(self._bindings) > 256:  # bounded, oldest first out
-                self._bindings.pop(next(iter(self._bindings)))
+            bounded_put(self._bindings, shapes, binding)
         return p.layout(binding)
 
     def _bind(self, inputs: Sequence[torch.Tensor]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sextant.graph.bind import solve
-from sextant.schedule.program import Layout, Program
+from sextant.schedule.program import Layout, Program, bounded_put
 
 LaunchFn = Callable[[str, list[torch.Tensor], int], None]
 
@@ -49,9 +49,7 @@ class ProgramRunner:
                 if b.kind == "temp":
                     raw = arena[layout.offsets[b.index]:layout.offsets[b.index] + layout.nbytes(self.program, b.index)]
                     views[b.index] = raw.view(b.node.dtype.torch).view(layout.shapes[b.index])
-            cache[layout.binding] = views
-            if len(cache) > 64:
-                cache.pop(next(iter(cache)))
+            bounded_put(cache, layout.binding, views, 64)
         return views
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

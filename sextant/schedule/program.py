@@ -53,6 +53,17 @@ class Launch:
     blocks: Dim  # symbolic in a program over symbolic sizes: evaluated per call (Layout)
 
 
+def bounded_put(cache: dict, key: object, value: object, limit: int = 256) -> None:
+    """``cache[key] = value``, dropping the oldest entries past ``limit``. Caches shared by threads use
+    it without a lock: a lost entry is recomputed, and an eviction another thread already made is fine."""
+    cache[key] = value
+    while len(cache) > limit:
+        try:
+            cache.pop(next(iter(cache)), None)
+        except (RuntimeError, StopIteration):  # changed under us by another thread
+            break
+
+
 INDEX_LIMIT = 2**31 - 1 - 2**16  # elements a buffer may have: i32 indices, with room for tile rounding
 
 
@@ -123,9 +134,7 @@ class Program:
         blocks = tuple(int(substitute(la.blocks, values)) for la in self.launches)
         sizes = tuple(tuple(values[sz.name] for sz in self.kernels[la.kernel].sizes) for la in self.launches)
         out = Layout(key, shapes, offsets, arena, blocks, sizes)
-        self._layouts[key] = out
-        if len(self._layouts) > 256:  # bounded: a stream of distinct sizes must not grow memory forever
-            self._layouts.pop(next(iter(self._layouts)))
+        bounded_put(self._layouts, key, out)  # a stream of distinct sizes must not grow memory forever
         return out
 
     @property
