@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.fragments import MMA_SHAPES
 from sextant.kernel.ir import (
     Assign,
@@ -107,6 +108,8 @@ def flash_refusal(att: Attention, target: TargetDesc) -> str | None:
         return "Q, K or V is not f16/bf16 (tensor cores; f32 stays exact)"
     if len(types) != 1:
         return "Q, K and V mix f16 and bf16"
+    if is_symbolic(att.q.shape[-2:]) or is_symbolic(att.kt.shape[-1:]):
+        return "symbolic sequence lengths (the kernel's tile pipeline needs them: tensor-core GEMMs instead)"
     d, dv = att.q.shape[-1], att.v.shape[-1]
     if d % 16 or dv % 16 or d > MAX_HEAD or dv > MAX_HEAD:
         return f"head sizes {d}/{dv} are not multiples of 16 up to {MAX_HEAD}"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.graph.symbolic import SymDim
 from sextant.kernel.fragments import MMA_SHAPES
 from sextant.kernel.ir import (
     Barrier,
@@ -53,9 +54,10 @@ from sextant.kernel.ir import (
     Store,
     Var,
 )
+from sextant.kernel.sizes import capacity, with_grid
 from sextant.schedule.gemm_cost import TileEstimate, estimate
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
-from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, iadd, idiv, imod, imul
+from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize, divisible, iadd, idiv, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
@@ -222,7 +224,7 @@ def stage_tile(e: ValueEmitter, threads: int, dt: DType, buf: str, x: Operand, r
                 col = e.bind(imul(imod(idiv(el, 8), cpr), chunk), "cc")
             gr, gc = e.bind(iadd(row0, r), "gr"), e.bind(iadd(col0, col), "gc")
             guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
-                          if lim % size])  # a chunk is all in or all out: col_lim is a multiple of it
+                          if not divisible(lim, size)])  # a chunk is all in or all out: col_lim is a multiple of it
             src, at = x.chunk(gr, gc)
             e.emit(CpAsync(buf, iadd(base, iadd(imul(r, stride), col)), src, at, chunk, guard))
         return
@@ -233,7 +235,7 @@ def stage_tile(e: ValueEmitter, threads: int, dt: DType, buf: str, x: Operand, r
         slot = iadd(base, iadd(imul(r, stride), col))
         extra, value = x.element(gr, gc)
         guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((gr, row_lim, rows), (gc, col_lim, cols))
-                      if lim % size] + extra)
+                      if not divisible(lim, size)] + extra)
         _guarded(e, guard, lambda slot=slot, value=value: e.emit(Store(buf, slot, value())),
                  lambda slot=slot: e.emit(Store(buf, slot, Const(0.0, dt))))
 
@@ -328,7 +330,11 @@ def pipelined_k_loop(e: ValueEmitter, tile: TcTile, dt: DType, m: int, n: int, k
             stage_tile(e, tile.threads, dt, "Bs", b, tile.bn, tile.bk, b_stride, j0, k0, n, k, imul(st, sb))
 
     for p in range(stages - 1):  # the prologue: the first tiles are in flight before the loop starts
-        if p < k_tiles:
+        if isinstance(k_tiles, SymDim):  # (a uniform branch: the size is the same in every thread)
+            with e.scope() as first:
+                load_stage(c(p))
+            e.emit(If(_bool("lt", c(p), c(k_tiles)), tuple(first)))
+        elif p < k_tiles:
             load_stage(c(p))
         e.emit(CpAsyncCommit())
 
@@ -380,7 +386,7 @@ def store_accumulators(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, 
                 row = e.bind(iadd(iadd(i0, wrow), frow), "row")
                 col = e.bind(iadd(iadd(j0, wcol), fcol), "col")
                 guard = _and([_bool("lt", v, c(lim)) for v, lim, size in ((row, m, tile.bm), (col, n, tile.bn))
-                              if lim % size])
+                              if not divisible(lim, size)])
                 _guarded(e, guard, lambda: epilogue(row, col, Load("acc", slot, DType.f32)))
 
             _strided_loop(e, c(0), MMA.c_elems, 1, element, "ci", unroll=True)
@@ -434,7 +440,7 @@ def staged_epilogue(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0:
             r, col = e.bind(idiv(v, tile.bn), "r"), e.bind(imod(v, tile.bn), "cc")
             row, gcol = e.bind(iadd(i0, iadd(r, c(p * rows))), "row"), e.bind(iadd(j0, col), "col")
             guard = _and([_bool("lt", v2, c(lim)) for v2, lim, size in ((row, m, tile.bm), (gcol, n, tile.bn))
-                          if lim % size])
+                          if not divisible(lim, size)])
             _guarded(e, guard, lambda: epilogue(row, gcol, Load(buf, iadd(imul(r, stride), col), dt)))
 
         _strided_loop(e, TID_X, rows * tile.bn, threads, read, "u")
@@ -464,8 +470,8 @@ def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc
     shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue, out_dtype=mm.dtype)
     _check_shared(name, shared, target)
     meta = {"mapping": mapping, **tile.meta(), "mma": mma}
-    return Kernel(name, tuple(params), grid, (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
-                  local=local, meta=meta)
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts),
+                            shared=tuple(shared), local=local, meta=meta), grid)
 
 
 def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
@@ -473,7 +479,7 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     (*batch, m, _), n, dt = mm.inputs[0].shape, mm.shape[-1], mm.inputs[0].dtype
     if accum_dtype(mm.dtype) != DType.f32:
         raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {accum_dtype(mm.dtype).value}")
-    tile = choose_tile(m, n, math.prod(batch), target)
+    tile = choose_tile(capacity(m), capacity(n), capacity(math.prod(batch)), target)  # for the largest sizes
 
     def emit(e: ValueEmitter, tile: TcTile, *rest: object, **kw: object) -> tuple[list[Buffer], tuple[Buffer, ...]]:
         return emit_mma_gemm(e, tile, dt, *rest, **kw)  # type: ignore[arg-type]

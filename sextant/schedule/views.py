@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.ir import Expr
 from sextant.schedule.indexing import c, iadd, imul
 from sextant.schedule.indexing import strides as contiguous_strides
@@ -94,6 +95,8 @@ def chunked(x: Node, buffers: dict[int, str], lead: tuple[Expr, ...], row_axis: 
     dims in some order), when ``x`` is a strided view whose ``col_axis`` is contiguous and whose
     offset and other strides keep every chunk 16-byte aligned (buffers start aligned) — so its
     tiles can be copied by ``cp.async``; else None."""
+    if is_symbolic(x.shape):  # strides over symbolic sizes: element by element (a chunk may straddle the end)
+        return None
     view = strided_view(x, buffers, exact_from)
     itemsize = (exact_from or x.dtype).itemsize
     per = 16 // itemsize

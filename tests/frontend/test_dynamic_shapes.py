@@ -129,9 +129,10 @@ def test_llama_through_torch_compile_dynamic() -> None:
 
 
 @pytest.mark.slow
-def test_gpu_mappings_at_ragged_symbolic_sizes() -> None:
-    """fp16 GPT-2 with symbolic batch and sequence on cuda-sim: tensor-core GEMMs and flash
-    attention at 1, 7 and 129 tokens (ragged tiles) match eager."""
+def test_gpu_mappings_at_ragged_symbolic_sizes(llvm_compiles: list[int]) -> None:
+    """fp16 GPT-2 with symbolic batch and sequence on cuda-sim: one program whose tensor-core GEMMs
+    (cp.async pipelines with symbolic tails) serve 1, 7, 129 and 160 tokens; the flash-attention
+    kernel needs static lengths, so attention runs as tensor-core GEMMs and a warp softmax."""
     from sextant.examples import gpt2
 
     model, (ids,) = gpt2(batch=2, seq=160)  # an example size of 1 would be specialised by torch.export
@@ -139,13 +140,14 @@ def test_gpu_mappings_at_ragged_symbolic_sizes() -> None:
     dims = {"input_ids": {0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=160)}}
     cm = sextant.compile(model, (ids,), target="cuda-sim", dynamic_shapes=dims)
     with torch.no_grad():
-        for batch, seq in [(1, 7), (3, 129), (1, 1)]:
+        for batch, seq in [(1, 7), (3, 129), (1, 1), (4, 160)]:
             x = torch.randint(0, 1000, (batch, seq))
             torch.testing.assert_close(cm(x).float(), model.float()(x), rtol=2e-2, atol=3e-2)
             model.half()
-    mappings = {k.meta.get("mapping") for m in cm.stages["specializer"].modules.values()
-                for k in m.stages["program"].kernels.values()}
-    assert {"tensor-core", "flash-attention-tensor-core"} <= mappings
+    _one_program(cm, llvm_compiles)
+    program = cm.stages["program"]
+    assert "tensor-core" in {k.meta.get("mapping") for k in program.kernels.values()}
+    assert any("symbolic sequence lengths" in note for note in program.notes)
 
 
 def test_size_torch_export_specialises_is_explained() -> None:

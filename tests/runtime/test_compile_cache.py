@@ -122,29 +122,40 @@ def test_second_process_skips_capture_and_llvm(cache_dir: Path) -> None:
     assert runs[1].stdout.strip() == "['cache'] True"  # no capture, no ptxas, no LLVM
 
 
+class Smooth(nn.Module):
+    """A convolution over a symbolic length: the GPU convolutions need static spatial sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
 def test_symbolic_sizes_one_entry_per_binding(cache_dir: Path) -> None:
-    """A module compiled per binding of its sizes (fp16 on cuda-sim: the tensor-core GEMM needs static
-    sizes) stores each binding; a second compile (as a second process would) loads the bindings it
-    has seen and compiles only the new one."""
+    """A module compiled per binding of its sizes (a convolution over a symbolic length on cuda-sim)
+    stores each binding; a second compile (as a second process would) loads the bindings it has seen
+    and compiles only the new one."""
     from torch.export import Dim
 
-    model = Block().eval().half()
-    dims = {"x": {0: Dim("rows", min=1, max=64)}}
-    first = sextant.compile(model, (torch.randn(4, 16).half(),), target="cuda-sim", dynamic_shapes=dims)
-    assert "tensor-core GEMMs need static sizes" in first.stages["per_binding"]
-    for rows in (3, 17):
-        first(torch.randn(rows, 16).half())
+    model = Smooth().eval()
+    dims = {"x": {2: Dim("length", min=2, max=64)}}
+    first = sextant.compile(model, (torch.randn(1, 4, 8),), target="cuda-sim", dynamic_shapes=dims)
+    assert "GPU convolutions need static channels and spatial sizes" in first.stages["per_binding"]
+    for length in (3, 17):
+        first(torch.randn(1, 4, length))
     assert len(_entries(cache_dir)) == 2
-    second = sextant.compile(model, (torch.randn(4, 16).half(),), target="cuda-sim", dynamic_shapes=dims)
-    for rows in (3, 17, 5):
-        x = torch.randn(rows, 16).half()
-        torch.testing.assert_close(second(x), model(x), rtol=2e-3, atol=2e-3)
+    second = sextant.compile(model, (torch.randn(1, 4, 8),), target="cuda-sim", dynamic_shapes=dims)
+    for length in (3, 17, 5):
+        x = torch.randn(1, 4, length)
+        torch.testing.assert_close(second(x), model(x))
     hits = {b: m.stages["cache"]["hit"] for b, m in second.stages["specializer"].modules.items()}
-    assert hits == {(("rows", 3),): True, (("rows", 17),): True, (("rows", 5),): False}
-    other = sextant.compile(model, (torch.randn(4, 16).half(),), target="cuda-sim",
-                            dynamic_shapes={"x": {0: Dim("rows", min=1, max=32)}})  # other ranges: other entries
-    other(torch.randn(3, 16).half())
-    assert other.stages["specializer"].modules[(("rows", 3),)].stages["cache"]["hit"] is False
+    assert hits == {(("length", 3),): True, (("length", 17),): True, (("length", 5),): False}
+    other = sextant.compile(model, (torch.randn(1, 4, 8),), target="cuda-sim",
+                            dynamic_shapes={"x": {2: Dim("length", min=2, max=32)}})  # other ranges: other entries
+    other(torch.randn(1, 4, 3))
+    assert other.stages["specializer"].modules[(("length", 3),)].stages["cache"]["hit"] is False
 
 
 def test_symbolic_cpu_program_reuses_cached_objects(cache_dir: Path) -> None:
