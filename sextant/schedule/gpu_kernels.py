@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from sextant.graph.symbolic import Dim, SymbolicShapeError, SymDim, is_symbolic
+from sextant.graph.symbolic import Dim, SymDim
 from sextant.kernel.ir import (
     Assign,
     Barrier,
@@ -630,8 +630,6 @@ from sextant.schedule.gpu_tf32 import gpu_tf32_matmul_kernel, uses_tf32  # noqa:
 def gpu_matmul(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """Tensor cores for f16/bf16 on sm_80+ (``gpu_mma``) and for f32 when tf32 is allowed
     (``gpu_tf32``), else the CUDA-core tiled GEMM (exact fp32)."""
-    if uses_tf32(group, target) and is_symbolic(group.anchor.shape + group.anchor.inputs[0].shape):
-        raise SymbolicShapeError("the tf32 tensor-core GEMM needs static sizes: each binding is compiled on its own")
     if uses_tensor_cores(group, target):
         return gpu_mma_matmul_kernel(group, stored, target, name)
     if uses_tf32(group, target):

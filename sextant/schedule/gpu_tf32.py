@@ -35,6 +35,7 @@ from sextant.kernel.ir import (
     Mma,
     Store,
 )
+from sextant.kernel.sizes import capacity
 from sextant.schedule.gpu_kernels import TID_X, _strided_loop
 from sextant.schedule.gpu_mma import (
     Operand,
@@ -111,6 +112,6 @@ def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Ex
 def gpu_tf32_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     mm = group.anchor
     (*batch, m, _), n = mm.inputs[0].shape, mm.shape[-1]
-    tile = choose_tile(m, n, math.prod(batch), target, CANDIDATES, itemsize=4)
+    tile = choose_tile(capacity(m), capacity(n), capacity(math.prod(batch)), target, CANDIDATES, itemsize=4)
     return tensor_core_matmul_kernel(group, stored, target, name, tile, emit_tf32_gemm, "tensor-core-tf32",
                                      "m16n8k8.tf32")

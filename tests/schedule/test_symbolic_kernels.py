@@ -221,3 +221,28 @@ def test_threads_call_one_program_at_different_sizes(target: str) -> None:
             got = list(pool.map(cm, inputs))
     for g, want in zip(got, expected):
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_tensor_core_gemms_over_symbolic_sizes(half: bool) -> None:
+    """tf32 (f32 with ``allow_tf32``) and f16 GEMMs on cuda-sim's tensor-core mappings: the tile is
+    chosen for the largest sizes, the rows past M are guarded, the operands load element by element
+    (a cp.async chunk could straddle a symbolic end) — one program at every size."""
+    torch.manual_seed(0)
+    model = _Mixer().eval()
+    dtype = torch.float16 if half else torch.float32
+    model = model.to(dtype)
+    before = torch.backends.cuda.matmul.allow_tf32  # (a module attribute monkeypatch cannot restore)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        cm = sextant.compile(model, (torch.randn(2, 5, 24, dtype=dtype),), target="cuda-sim",
+                             dynamic_shapes={"x": {0: Dim("batch", min=1, max=6), 1: Dim("seq", min=1, max=200)}})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    _one_program(cm)
+    mappings = {k.meta.get("mapping") for k in cm.stages["program"].kernels.values()}
+    assert ("tensor-core" if half else "tensor-core-tf32") in mappings
+    with torch.no_grad():
+        for shape in [(1, 1, 24), (3, 7, 24), (6, 200, 24), (2, 129, 24)]:
+            x = torch.randn(shape, dtype=dtype)
+            torch.testing.assert_close(cm(x).float(), model(x).float(), rtol=1e-2, atol=1e-2)
