@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Cast, Expr, Kernel, Load
-from sextant.kernel.sizes import with_grid
+from sextant.kernel.sizes import capacity, with_grid
 from sextant.schedule.gpu_kernels import (
     MM_MICRO_M,
     MM_MICRO_N,
@@ -91,9 +91,7 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     if is_symbolic(cv_.shape[1:]) or is_symbolic(cv_.inputs[0].shape[1:]):
         raise SymbolicShapeError("the GPU convolutions need static channels and spatial sizes (each binding is "
                                  "compiled on its own)")
-    if is_symbolic(cv_.shape) and conv_uses_tensor_cores(group, target):
-        raise SymbolicShapeError("the tensor-core implicit GEMM needs static sizes (each binding is compiled on "
-                                 "its own)")
+
     cv = group.anchor
     x, w = cv.inputs
     groups: int = cv.attr("groups")
@@ -105,7 +103,7 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     positions, k = nb * math.prod(osp), cin_g * math.prod(ksp)
     e, params, _ = setup_kernel(group, stored)
     tensor_cores = conv_uses_tensor_cores(group, target)
-    tc_tile = choose_tile(cout_g, positions, groups, target) if tensor_cores else None
+    tc_tile = choose_tile(cout_g, capacity(positions), groups, target) if tensor_cores else None  # the largest batch
     bm_, bn_ = (tc_tile.bm, tc_tile.bn) if tc_tile else (MM_TILE_M, MM_TILE_N)
     grid, (bn, bm, g) = _grid(e, (-(-positions // bn_), -(-cout_g // bm_), groups))
     if tc_tile is not None:

@@ -246,3 +246,27 @@ def test_tensor_core_gemms_over_symbolic_sizes(half: bool) -> None:
         for shape in [(1, 1, 24), (3, 7, 24), (6, 200, 24), (2, 129, 24)]:
             x = torch.randn(shape, dtype=dtype)
             torch.testing.assert_close(cm(x).float(), model(x).float(), rtol=1e-2, atol=1e-2)
+
+
+class _HalfConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(32, 32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).mean((2, 3))
+
+
+def test_tensor_core_convolutions_over_a_symbolic_batch() -> None:
+    """f16 convolutions on cuda-sim: the tensor-core implicit GEMM, whose columns (images × positions)
+    follow the symbolic batch, at batch 1, 5 and 9 from one program."""
+    torch.manual_seed(0)
+    model = _HalfConv().eval().half()
+    cm = sextant.compile(model, (torch.randn(2, 16, 12, 12).half(),), target="cuda-sim",
+                         dynamic_shapes={"x": {0: Dim("batch", min=1, max=9)}})
+    _one_program(cm)
+    assert "tensor-core-implicit-gemm" in {k.meta.get("mapping") for k in cm.stages["program"].kernels.values()}
+    with torch.no_grad():
+        for batch in (1, 5, 9):
+            x = torch.randn(batch, 16, 12, 12).half()
+            torch.testing.assert_close(cm(x).float(), model(x).float(), rtol=1e-2, atol=1e-2)
