@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Kernel
 from sextant.schedule.attention_match import Attention
 from sextant.schedule.cpu_attention import cpu_attention_kernel
@@ -26,8 +25,5 @@ def attention_refusal(target: TargetDesc) -> Callable[[Attention], str | None] |
 
 def attention_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     if target.is_gpu:
-        if is_symbolic(group.anchor.shape) or is_symbolic(group.attention.kt.shape):
-            raise SymbolicShapeError("the GPU flash-attention kernel needs static sequence lengths (each binding "
-                                     "is compiled on its own)")
         return gpu_flash_attention_kernel(group, stored, target, name)
     return cpu_attention_kernel(group, stored, target, name)

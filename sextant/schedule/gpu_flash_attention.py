@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from sextant.graph.symbolic import is_symbolic
+from sextant.graph.symbolic import SymDim
 from sextant.kernel.fragments import MMA_SHAPES
 from sextant.kernel.ir import (
     Assign,
@@ -60,10 +60,11 @@ from sextant.kernel.ir import (
     Unary,
     WarpReduce,
 )
+from sextant.kernel.sizes import with_grid
 from sextant.schedule.attention_match import Attention, at
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import PAD, TC_DTYPES, sm_version
-from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imin, imod, imul
+from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
@@ -108,8 +109,6 @@ def flash_refusal(att: Attention, target: TargetDesc) -> str | None:
         return "Q, K or V is not f16/bf16 (tensor cores; f32 stays exact)"
     if len(types) != 1:
         return "Q, K and V mix f16 and bf16"
-    if is_symbolic(att.q.shape[-2:]) or is_symbolic(att.kt.shape[-1:]):
-        return "symbolic sequence lengths (the kernel's tile pipeline needs them: tensor-core GEMMs instead)"
     d, dv = att.q.shape[-1], att.v.shape[-1]
     if d % 16 or dv % 16 or d > MAX_HEAD or dv > MAX_HEAD:
         return f"head sizes {d}/{dv} are not multiples of 16 up to {MAX_HEAD}"
@@ -158,7 +157,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         odd 16-byte row stride spreads those over the banks), else element by element
         (consecutive threads on consecutive columns: coalesced along the head dim)."""
         threads = 32 * WARPS
-        guard_rows = row_lim % rows != 0
+        guard_rows = not divisible(row_lim, rows)
         if chunk is not None:
             per = 16 // dt.itemsize
             cpr = cols // per
@@ -195,7 +194,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         stage("Vs", bc, dv, v_stride, j0, lim, lambda j, col: half(v, at(v, bz, j, col)), v_chunk,
               imul(buf, v_size))
 
-    full = n_kv // bc
+    full = n_kv // bc  # whole key tiles (a SymDim over a symbolic length: the tail is then decided at run time)
+    symbolic = isinstance(full, SymDim)
     # causal: the block's queries end at q0 + BR, so tiles from there on are masked entirely
     # (BR is a multiple of bc, so the bound is a whole tile)
     reach = iadd(q0, c(BR)) if att.causal else None
@@ -203,7 +203,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     # the first K/V tile is in flight meanwhile
     stage("Ks", BR, d, k_stride, q0, n_q, lambda r, col: half(q, at(q, bz, r, col)), q_chunk, c(k_size))
     e.emit(CpAsyncCommit())
-    load_tile(c(0), full == 0, c(0))
+    load_tile(c(0), symbolic or full == 0, c(0))  # (over a symbolic length the first tile may be the tail)
     e.emit(CpAsyncCommit())
     e.emit(CpAsyncWait(1))
     e.emit(Barrier())
@@ -219,7 +219,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
         e.emit(Assign(s[h], zero))
     # rows of this lane, clamped for the logit ops' loads (rows past n_q are computed, never stored)
     rows = [e.bind(iadd(q0, iadd(wrow, iadd(g, c(8 * h)))), "row") for h in range(2)]
-    rows_c = [e.bind(imin(r, c(n_q - 1)), "rc") if n_q % BR else r for r in rows]
+    rows_c = [r if divisible(n_q, BR) else e.bind(imin(r, c(n_q - 1)), "rc") for r in rows]
     # ldmatrix addresses: K (key-major, as the GEMM's N×K B) and V (.trans, as its K×N B)
     kb_row, kb_col = iadd(imul(idiv(lane, 16), 8), imod(lane, 8)), imul(imod(idiv(lane, 8), 2), 8)
     vb_row, vb_col = iadd(imul(imod(idiv(lane, 8), 2), 8), imod(lane, 8)), imul(idiv(lane, 16), 8)
@@ -280,7 +280,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     # K/V double-buffered: while full tile t is multiplied from buffer t % 2, full tile t + 1 is
     # copied into the other (one cp.async group per tile, empty past the last: a static wait count);
     # a ragged last tile is copied after the loop
-    if full:
+    if symbolic or full:
         stop = e.bind(imin(reach, c(full * bc)), "kend") if reach is not None else c(full * bc)
         j0 = e.var("j0")
         with e.scope() as body:
@@ -300,17 +300,26 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
             e.emit(Barrier())
             kv_tile(j0, False, buf)
         e.emit(For(j0, c(0), stop, bc, tuple(body)))
-    if n_kv % bc:
+    if not divisible(n_kv, bc):
         with e.scope() as tail:
-            if full:  # not prefetched (its key guards in the loop cost registers: ptxas spilled at
+            last = e.bind(imod(c(full), 2), "lastbuf") if symbolic else c(full % 2)
+            if symbolic:  # whether a full tile came first is known per launch (a uniform branch)
+                with e.scope() as after_full:
+                    load_tile(c(full * bc), True, last)
+                    e.emit(CpAsyncCommit())
+                e.emit(If(_bool("lt", c(0), c(full)), tuple(after_full)))
+            elif full:  # not prefetched (its key guards in the loop cost registers: ptxas spilled at
                 # sm_80); buffer full % 2 is free since the last iteration's first barrier
-                load_tile(c(full * bc), True, c(full % 2))
+                load_tile(c(full * bc), True, last)
                 e.emit(CpAsyncCommit())
             e.emit(CpAsyncWait(0))  # (with no full tile: copied before the loop)
             e.emit(Barrier())
-            kv_tile(c(full * bc), True, c(full % 2))
-        if reach is not None:
-            e.emit(If(_bool("lt", c(full * bc), reach), tuple(tail)))
+            kv_tile(c(full * bc), True, last)
+        cond = [_bool("lt", c(full * bc), reach)] if reach is not None else []
+        if symbolic:  # a length that is a whole number of tiles has no tail
+            cond.append(_bool("ne", imod(c(n_kv), bc), c(0)))
+        if cond:
+            e.emit(If(_and(cond), tuple(tail)))
         else:
             e.stmts.extend(tail)
     inv = []
@@ -333,7 +342,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 store_epilogue(e, group, at(out, bz, rows[h], col))
                 e.regs.pop(id(out))
 
-            _guarded(e, _and([_bool("lt", rows[h], c(n_q))]) if n_q % BR else None, store)
+            _guarded(e, None if divisible(n_q, BR) else _and([_bool("lt", rows[h], c(n_q))]), store)
     _check_shared(name, shared, target)
     # .maxnreg 128 for heads up to 64: left to itself ptxas held some of these kernels (a ragged
     # last tile after a one-tile loop) to 96 registers and spilled; 128 still gives 4 blocks (16
@@ -341,8 +350,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     meta = {"mapping": "flash-attention-tensor-core", "tile": (BR, bc), "warps": WARPS,
             "mma": "m16n8k16." + dt.value, "head": (d, dv),
             "max_registers": 128 if max(d, dv) <= 64 else None}
-    return Kernel(name, tuple(params), grid, (32 * WARPS, 1, 1), tuple(e.stmts), shared=tuple(shared),
-                  local=local, meta=meta)
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (32 * WARPS, 1, 1), tuple(e.stmts),
+                            shared=tuple(shared), local=local, meta=meta), grid)
 
 
 def _logit(e: ValueEmitter, att: Attention, bz: Expr, row: Expr, key: Expr, score: Expr, n_kv: int | None) -> Expr:

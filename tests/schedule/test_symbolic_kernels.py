@@ -270,3 +270,35 @@ def test_tensor_core_convolutions_over_a_symbolic_batch() -> None:
         for batch in (1, 5, 9):
             x = torch.randn(batch, 16, 12, 12).half()
             torch.testing.assert_close(cm(x).float(), model(x).float(), rtol=1e-2, atol=1e-2)
+
+
+class _HalfAttention(nn.Module):
+    """Four heads of 16: what the tensor-core flash kernel computes (f16, heads a multiple of 16)."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return o.transpose(1, 2).reshape(b, s, 64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_over_symbolic_lengths(causal: bool) -> None:
+    """The tensor-core flash kernel with symbolic sequence lengths on cuda-sim: whole key tiles run in
+    the double-buffered loop, the ragged tail (absent when the length is a multiple of the tile) is
+    decided per launch; lengths below, at and past one and two tiles."""
+    torch.manual_seed(0)
+    model = _HalfAttention(causal).eval().half()
+    cm = sextant.compile(model, (torch.randn(2, 9, 64).half(),), target="cuda-sim",
+                         dynamic_shapes={"x": {0: Dim("batch", min=1, max=3), 1: Dim("seq", min=1, max=300)}})
+    _one_program(cm)
+    assert "flash-attention-tensor-core" in {k.meta.get("mapping") for k in cm.stages["program"].kernels.values()}
+    with torch.no_grad():
+        for shape in [(1, 1, 64), (2, 63, 64), (1, 64, 64), (3, 65, 64), (1, 128, 64), (2, 300, 64)]:
+            x = torch.randn(shape).half()
+            torch.testing.assert_close(cm(x).float(), model(x).float(), rtol=1e-2, atol=1e-2)
