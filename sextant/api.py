@@ -16,6 +16,7 @@ from sextant.gcpause import gc_paused
 from sextant.graph.ir import Graph
 from sextant.graph.reference import run_graph
 from sextant.graph.symbolic import SymbolicShapeError
+from sextant.kernel.verifier import KernelVerificationError
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.onnx_module import OnnxCompiledModule
 
@@ -146,6 +147,9 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
             return _compile_symbolic(captured, target, arch, pipeline, print_after_all, stream, _steps(progress))
         except SymbolicShapeError as e:
             why_not = str(e)
+        except KernelVerificationError as e:  # a mapping's bug at symbolic sizes: the static path is proven
+            why_not = f"a kernel over symbolic sizes failed verification ({e})"
+            log.warning("sextant: @%s: %s; compiling per binding instead", captured.name, why_not)
     log.info("sextant: @%s is compiled per binding of its sizes: %s", captured.name, why_not)
 
     def compile_bound(graph: Graph, binding: Binding) -> CompiledModule:

@@ -51,10 +51,29 @@ class TorchSymbols:
         if unknown:
             raise SymbolicShapeError(f"size {expr} mentions {', '.join(unknown)}, which torch.export gave no range")
         bounds = tuple(sorted(self.bounds[s.name] for s in expr.free_symbols))
-        return make_dim(expr.xreplace({s: self.rename[s] for s in expr.free_symbols}), bounds)
+        return make_dim(_plain(expr).xreplace({s: self.rename[s] for s in expr.free_symbols}), bounds)
 
     def shape(self, shape: Any) -> tuple[Dim, ...]:
         return tuple(self.dim(d) for d in shape)
+
+
+def _plain(expr: Any) -> Any:
+    """``expr`` with torch's own integer functions (``FloorDiv``, ``CeilDiv``, ``ModularIndexing``,
+    ``PythonMod``) written as plain sympy ``floor``/``ceiling``/``Mod``, so that a size torch computed
+    (a convolution's output length, ``(L - 5)//2 + 1``) and the same size the graph IR derives are one
+    polynomial form and compare equal."""
+    import sympy
+    from torch.utils._sympy import functions as tf
+
+    rules = []
+    for name, fn in (("FloorDiv", lambda a, b: sympy.floor(a / b)), ("CeilDiv", lambda a, b: sympy.ceiling(a / b)),
+                     ("PythonMod", sympy.Mod), ("ModularIndexing", lambda x, d, m: sympy.Mod(sympy.floor(x / d), m))):
+        cls = getattr(tf, name, None)
+        if cls is not None:
+            rules.append((cls, fn))
+    for cls, fn in rules:
+        expr = expr.replace(lambda e, cls=cls: isinstance(e, cls), lambda e, fn=fn: fn(*e.args))
+    return expr
 
 
 def finite_bound(v: Any, default: int) -> int:

@@ -121,6 +121,20 @@ class SymDim:
         if factored != self.expr:
             vf = bound_sympy(factored, ranges)
             lo, hi = max(lo, _num(vf.lower)), min(hi, _num(vf.upper))
+        if self.expr.has(sympy.floor):  # floor(p/q) = p/q - t with t in [0, (q-1)/q]: the floors of a
+            # difference such as floor(L/2) - floor((L+1)/2) cancel up to bounded terms
+            rest, extra = self.expr, dict(ranges)
+            for k, f in enumerate(sorted(self.expr.atoms(sympy.floor), key=str)):
+                _, den = sympy.fraction(sympy.together(f.args[0]))
+                if not den.is_Integer:
+                    break
+                t = sympy.Symbol(f"_frac{k}")
+                extra[t] = ValueRanges(sympy.Integer(0), sympy.Rational(int(den) - 1, int(den)))
+                rest = rest.xreplace({f: f.args[0] - t})
+            else:
+                vr2 = bound_sympy(sympy.expand(rest), extra)  # the size is an integer: round inwards
+                lo2 = int(sympy.ceiling(vr2.lower)) if vr2.lower.is_finite else lo
+                lo, hi = max(lo, lo2), min(hi, _num_floor(vr2.upper, hi))
         return lo, hi
 
     def _decide(self, other: object, op: str) -> bool:
@@ -173,6 +187,13 @@ class SymDim:
 Dim = Union[int, SymDim]  # noqa: UP007
 
 
+def _num_floor(v: Any, default: int | float) -> int | float:
+    """The greatest integer at most ``v`` (a sympy bound), or ``default`` when unbounded."""
+    if not v.is_finite:
+        return default
+    return int(sympy.floor(v))
+
+
 def _num(v: Any) -> int | float:
     if v in (sympy.oo, -sympy.oo) or (hasattr(v, "is_infinite") and v.is_infinite):
         return float(v)
@@ -193,13 +214,37 @@ def _merge(a: Bounds, b: Bounds) -> Bounds:
 def make_dim(expr: sympy.Expr, bounds: Bounds) -> Dim:
     """``expr`` as a dimension: an ``int`` when it is a number, else a ``SymDim`` carrying the
     ranges of the symbols it still mentions."""
-    expr = sympy.expand(expr)
+    expr = _canonical_floors(sympy.expand(expr))
     if expr.is_Integer:
         return int(expr)
     if expr.is_number:
         raise SymbolicShapeError(f"size {expr} is not an integer")
     free = {s.name for s in expr.free_symbols}
     return SymDim(expr, tuple(b for b in bounds if b[0] in free))
+
+
+def _canonical_floors(expr: sympy.Expr) -> sympy.Expr:
+    """``floor((A + c)/d)`` with the constant ``c`` of the integer polynomial ``A + c`` reduced into
+    ``[0, d)`` and the rest pulled out: ``floor((L-5)/2) = floor((L+1)/2) - 3``. Sizes that differ by
+    a constant then share one floor term, and their difference is a number (a strided
+    convolution's output lengths, compared by the lowering, are decidable)."""
+    if not expr.has(sympy.floor, sympy.ceiling):
+        return expr
+
+    def canon(e: sympy.Expr) -> sympy.Expr:
+        arg = e.args[0] if not isinstance(e, sympy.ceiling) else -e.args[0]
+        num, den = sympy.fraction(sympy.together(arg))
+        num = sympy.expand(num)
+        if not (den.is_Integer and int(den) > 1 and num.is_polynomial()):
+            return e
+        const = num.as_coeff_add()[0]
+        if not const.is_Integer:
+            return e
+        k, r = divmod(int(const), int(den))
+        out = sympy.floor((num - const + r) / den) + k
+        return -out if isinstance(e, sympy.ceiling) else out
+
+    return sympy.expand(expr.replace(lambda e: isinstance(e, (sympy.floor, sympy.ceiling)), canon))
 
 
 def is_dim(v: object) -> bool:

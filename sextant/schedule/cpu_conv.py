@@ -30,6 +30,7 @@ from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.passes.rewrite import rebuild
+from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, If, Kernel, Load, Select, Store, Var
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imul, strides
@@ -251,6 +252,9 @@ def depthwise_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
 
     cv = group.anchor
     x, w = cv.inputs
+    if is_symbolic(cv.shape[2:]) or is_symbolic(x.shape[2:]):
+        raise SymbolicShapeError("the CPU depthwise convolution needs static spatial sizes (its taps' ranges are "
+                                 "computed at compile time)")
     one_d = len(cv.shape) == 3
     stride, padding, dilation = (((1,) if one_d else ()) + tuple(cv.attr(a)) for a in ("stride", "padding", "dilation"))
     batch, cout = cv.shape[:2]

@@ -88,8 +88,8 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     below ``CONV_GEMM_MIN_CHANNELS`` output channels per group — depthwise convolutions, where all
     but one row of each 64-row tile would be zeros."""
     cv_ = group.anchor
-    if is_symbolic(cv_.shape[1:]) or is_symbolic(cv_.inputs[0].shape[1:]):
-        raise SymbolicShapeError("the GPU convolutions need static channels and spatial sizes (each binding is "
+    if is_symbolic(cv_.shape[1]) or is_symbolic(cv_.inputs[0].shape[1]) or is_symbolic(cv_.inputs[1].shape):
+        raise SymbolicShapeError("the GPU convolutions need static channels and kernel sizes (each binding is "
                                  "compiled on its own)")
 
     cv = group.anchor

@@ -122,40 +122,40 @@ def test_second_process_skips_capture_and_llvm(cache_dir: Path) -> None:
     assert runs[1].stdout.strip() == "['cache'] True"  # no capture, no ptxas, no LLVM
 
 
-class Smooth(nn.Module):
-    """A convolution over a symbolic length: the GPU convolutions need static spatial sizes."""
+class Product(nn.Module):
+    """A product over a symbolic K: the CPU GEMM needs static K and N, so it compiles per binding."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv1d(4, 4, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.conv(x))
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.relu(a @ b)
 
 
 def test_symbolic_sizes_one_entry_per_binding(cache_dir: Path) -> None:
-    """A module compiled per binding of its sizes (a convolution over a symbolic length on cuda-sim)
-    stores each binding; a second compile (as a second process would) loads the bindings it has seen
-    and compiles only the new one."""
+    """A module compiled per binding of its sizes stores each binding; a second compile (as a second
+    process would) loads the bindings it has seen and compiles only the new one."""
     from torch.export import Dim
 
-    model = Smooth().eval()
-    dims = {"x": {2: Dim("length", min=2, max=64)}}
-    first = sextant.compile(model, (torch.randn(1, 4, 8),), target="cuda-sim", dynamic_shapes=dims)
-    assert "GPU convolutions need static channels and spatial sizes" in first.stages["per_binding"]
-    for length in (3, 17):
-        first(torch.randn(1, 4, length))
+    model = Product()
+    k = Dim("k", min=1, max=64)
+    dims = {"a": {1: k}, "b": {0: k}}
+
+    def args(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, n), torch.randn(n, 16)
+
+    first = sextant.compile(model, args(8), target="cpu", dynamic_shapes=dims)
+    assert "static N and K" in first.stages["per_binding"]
+    for n in (3, 17):
+        first(*args(n))
     assert len(_entries(cache_dir)) == 2
-    second = sextant.compile(model, (torch.randn(1, 4, 8),), target="cuda-sim", dynamic_shapes=dims)
-    for length in (3, 17, 5):
-        x = torch.randn(1, 4, length)
-        torch.testing.assert_close(second(x), model(x))
+    second = sextant.compile(model, args(8), target="cpu", dynamic_shapes=dims)
+    for n in (3, 17, 5):
+        xs = args(n)
+        torch.testing.assert_close(second(*xs), model(*xs))
     hits = {b: m.stages["cache"]["hit"] for b, m in second.stages["specializer"].modules.items()}
-    assert hits == {(("length", 3),): True, (("length", 17),): True, (("length", 5),): False}
-    other = sextant.compile(model, (torch.randn(1, 4, 8),), target="cuda-sim",
-                            dynamic_shapes={"x": {2: Dim("length", min=2, max=32)}})  # other ranges: other entries
-    other(torch.randn(1, 4, 3))
-    assert other.stages["specializer"].modules[(("length", 3),)].stages["cache"]["hit"] is False
+    assert hits == {(("k", 3),): True, (("k", 17),): True, (("k", 5),): False}
+    other = sextant.compile(model, args(8), target="cpu",
+                            dynamic_shapes={"a": {1: Dim("k", min=1, max=32)}, "b": {0: Dim("k", min=1, max=32)}})
+    other(*args(3))  # other ranges: other entries
+    assert other.stages["specializer"].modules[(("k", 3),)].stages["cache"]["hit"] is False
 
 
 def test_symbolic_cpu_program_reuses_cached_objects(cache_dir: Path) -> None:

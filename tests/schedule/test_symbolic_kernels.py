@@ -302,3 +302,27 @@ def test_flash_attention_over_symbolic_lengths(causal: bool) -> None:
         for shape in [(1, 1, 64), (2, 63, 64), (1, 64, 64), (3, 65, 64), (1, 128, 64), (2, 300, 64)]:
             x = torch.randn(shape).half()
             torch.testing.assert_close(cm(x).float(), model(x).float(), rtol=1e-2, atol=1e-2)
+
+
+class _Smooth(nn.Module):
+    """Convolutions over a symbolic length (wav2vec2's feature extractor, in small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv1d(4, 8, 3, padding=1), nn.Conv1d(8, 8, 5, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_convolutions_over_a_symbolic_length(target: str) -> None:
+    torch.manual_seed(0)
+    model = _Smooth().eval()
+    cm = sextant.compile(model, (torch.randn(2, 4, 16),), target=target,
+                         dynamic_shapes={"x": {0: Dim("batch", min=1, max=4), 2: Dim("length", min=7, max=300)}})
+    _one_program(cm)
+    with torch.no_grad():
+        for shape in [(1, 4, 7), (3, 4, 64), (2, 4, 129), (4, 4, 300)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(cm(x), model(x), rtol=1e-4, atol=1e-4)
