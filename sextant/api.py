@@ -172,8 +172,8 @@ def symbolic_refusal(target: str) -> str | None:
     """Why ``target`` cannot compile one program for every size (None: it can try)."""
     from sextant.codegen.race_check import checks_enabled
 
-    if target not in ("cpu", "cuda-sim"):
-        return f"target {target!r} does not run kernels over symbolic sizes yet (cpu and cuda-sim do)"
+    if target == "reference":
+        return "the reference target runs the graph per binding"
     if checks_enabled(None):
         return "the race-checked CPU build checks static kernels only"
     return None
@@ -190,6 +190,8 @@ def _compile_symbolic(captured: Graph, target: str, arch: str | None, pipeline: 
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     if target == "cuda-sim":
         return _compile_cuda_sim(graph, {"captured": captured}, arch or "sm_90", step)
+    if target == "cuda":
+        return _compile_cuda(graph, {"captured": captured}, arch, step)
     return _compile_cpu(graph, {"captured": captured}, step)
 
 

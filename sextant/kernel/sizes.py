@@ -201,6 +201,16 @@ def instantiate(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
                   kernel.shared, kernel.local, meta)
 
 
+def instantiate_launch(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
+    """``kernel``'s launch at these sizes: its grid and buffer sizes evaluated, its body and size
+    parameters kept (the compiled code is the symbolic kernel's; a launch passes the sizes)."""
+    if not kernel.sizes:
+        return kernel
+    static = instantiate(dataclasses.replace(kernel, body=()), values)
+    return dataclasses.replace(kernel, params=static.params, grid=static.grid,
+                               meta={k: v for k, v in kernel.meta.items() if k not in ("blocks", "grid")})
+
+
 def verification_points(sizes: Iterable[Size]) -> list[dict[str, int]]:
     """Sizes a symbolic kernel is verified at: every size at its least value (at least 1), and every
     size at a ragged value above it (7 past a multiple of 64 where the range allows, so tile tails and partial

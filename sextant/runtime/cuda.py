@@ -36,7 +36,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -103,7 +103,67 @@ def load_runner(program: Program, ptx: str, cubin: bytes | None, arch: str,
     if usable is None and not ptx:
         raise CudaError(f"no PTX to load, and the cubin is for {arch}, not this GPU's {here}; recompile with "
                         f"sextant.compile(..., target='cuda')")
+    if program.symbols:
+        return SymbolicCudaRunner(program, ptx=ptx or None, cubin=usable, arch=arch, device=dev)  # type: ignore[return-value]
     return CudaRunner(program, ptx=ptx or None, cubin=usable, arch=arch, device=dev)
+
+
+class SymbolicCudaRunner:
+    """A program over symbolic sizes on the GPU: one loaded module and one copy of the weights; per
+    binding of the sizes (solved from the inputs' shapes) a :class:`CudaRunner` over the program's
+    bound view (``Program.bound``: grids, arena plan, size parameters), kept in a small LRU cache —
+    each has its own arena and CUDA graph. The first binding's runner owns the module."""
+
+    def __init__(self, program: Program, *, keep: int = 8, **kwargs: Any) -> None:
+        self.program = program
+        self._kwargs = kwargs
+        self._keep = keep
+        self._owner: CudaRunner | None = None
+        self._runners: dict[tuple, CudaRunner] = {}
+        self._bindings: dict[tuple, dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def runner(self, inputs: Sequence[torch.Tensor]) -> CudaRunner:
+        from sextant.graph.bind import solve
+        from sextant.schedule.program import bounded_put
+
+        p = self.program
+        shapes = tuple(tuple(x.shape) for x in inputs)
+        with self._lock:
+            binding = self._bindings.get(shapes)
+            if binding is None:
+                binding = solve(p.graph, shapes, p.symbols)
+                bounded_put(self._bindings, shapes, binding)
+            layout = p.layout(binding)
+            r = self._runners.get(layout.binding)
+            if r is None:
+                view = p.bound(layout)
+                r = CudaRunner(view, share=self._owner, sizes=binding, **self._kwargs) if self._owner else \
+                    CudaRunner(view, sizes=binding, **self._kwargs)
+                self._owner = self._owner or r
+                self._runners[layout.binding] = r
+                while len(self._runners) > self._keep:
+                    old = self._runners.pop(next(iter(self._runners)))
+                    if old is not self._owner:
+                        old.close()
+            return r
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.runner(inputs)(inputs)
+
+    def profile(self, inputs: Sequence[torch.Tensor], repeats: int = 20) -> list[float]:
+        return self.runner(inputs).profile(inputs, repeats)
+
+    def close(self) -> None:
+        for r in list(self._runners.values()):
+            if r is not self._owner:
+                r.close()
+        self._runners.clear()
+        if self._owner is not None:
+            self._owner.close()
+
+    def __repr__(self) -> str:
+        return f"SymbolicCudaRunner({len(self.program.kernels)} kernels, {len(self._runners)} bindings loaded)"
 
 
 class Driver:
@@ -147,11 +207,13 @@ class CudaRunner:
     def __init__(self, program: Program, *, ptx: str | None = None, cubin: bytes | None = None,
                  arch: str | None = None, device: torch.device | str | None = None,
                  use_graph: bool | None = None, sync_each_launch: bool | None = None,
-                 driver: ModuleType | None = None) -> None:
-        if ptx is None and cubin is None:
+                 driver: ModuleType | None = None, share: CudaRunner | None = None,
+                 sizes: Mapping[str, int] | None = None) -> None:
+        if ptx is None and cubin is None and share is None:
             raise ValueError("CudaRunner needs the program's PTX or a cubin")
         self.program = program
         self.plan = plan(program)
+        self._sizes = dict(sizes or {})  # values of the kernels' size parameters (a bound symbolic program)
         self.arch = arch
         self.device = torch.device(device) if device is not None else require_cuda()
         if self.device.type == "cuda":
@@ -161,24 +223,35 @@ class CudaRunner:
         self.use_graph = _env_flag("SEXTANT_CUDA_GRAPHS", True) if use_graph is None else use_graph
         self.sync_each_launch = (_env_flag("SEXTANT_CUDA_SYNC", False) if sync_each_launch is None
                                  else sync_each_launch)
-        self._drv = Driver(driver if driver is not None else load_driver())
         self._lock = threading.Lock()
-        self.image = "cubin" if cubin is not None else "ptx"  # what was loaded
-        self.cubin_error: str | None = None
-        with self._on_device():  # the caller's current device and context are left as they were
-            self._context = self._primary_context()
-            self._module = self._load(ptx, cubin)
-            self._functions = {name: self._drv("cuModuleGetFunction", self._module, name.encode(),
-                                               what=f"looking up kernel {name} in the loaded module")
-                               for name in program.kernels}
-            self._shared = self._opt_into_dynamic_shared()
-        # device memory: weights once, one arena for the intermediates
-        self.constants = {i: t.detach().contiguous().to(self.device) for i, t in program.constants.items()}
+        self._owner = share is None  # a runner sharing another's module, context and weights frees none
+        if share is not None:
+            self._drv, self._context, self._module = share._drv, share._context, share._module
+            self._cu_device, self._retained = share._cu_device, False
+            self._functions, self._shared, self.constants = share._functions, share._shared, share.constants
+            self.image, self.cubin_error = share.image, share.cubin_error
+        else:
+            self._drv = Driver(driver if driver is not None else load_driver())
+            self.image = "cubin" if cubin is not None else "ptx"  # what was loaded
+            self.cubin_error = None
+            with self._on_device():  # the caller's current device and context are left as they were
+                self._context = self._primary_context()
+                self._module = self._load(ptx, cubin)
+                self._functions = {name: self._drv("cuModuleGetFunction", self._module, name.encode(),
+                                                   what=f"looking up kernel {name} in the loaded module")
+                                   for name in program.kernels}
+                self._shared = self._opt_into_dynamic_shared()
+            # device memory: weights once, one arena for the intermediates
+            self.constants = {i: t.detach().contiguous().to(self.device) for i, t in program.constants.items()}
         self.arena = torch.empty(max(program.arena_bytes, 1), dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # uploads done before any stream uses them
         self._fixed = self._fixed_addresses()
-        self._blocks = [ParamBlock([self._fixed.get(b, 0) for b in s.args]) for s in self.plan.launches]
+        # buffers' addresses, then the kernel's sizes (an i32 parameter reads the low 4 bytes of its
+        # 8-byte slot: little-endian, as every CUDA host is)
+        self._blocks = [ParamBlock([self._fixed.get(b, 0) for b in s.args] +
+                                   [self._sizes[z.name] for z in program.kernels[s.kernel].sizes])
+                        for s in self.plan.launches]
         self._bound: dict[int, int] = {}  # per-call buffer -> address its parameter blocks hold now
         self._graph: Any = None
         self._exec: Any = None
@@ -421,8 +494,9 @@ class CudaRunner:
         module = getattr(self, "_module", None)
         if module is not None:
             self._module = None
-            with contextlib.suppress(Exception):
-                m.cuModuleUnload(module)
+            if getattr(self, "_owner", True):
+                with contextlib.suppress(Exception):
+                    m.cuModuleUnload(module)
         if pushed:
             with contextlib.suppress(Exception):
                 m.cuCtxPopCurrent()

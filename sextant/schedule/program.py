@@ -137,6 +137,23 @@ class Program:
         bounded_put(self._layouts, key, out)  # a stream of distinct sizes must not grow memory forever
         return out
 
+    def bound(self, layout: Layout) -> Program:
+        """This program at one binding, for a runner that launches static grids (the CUDA runner):
+        buffers with static types at their planned offsets, launches with their block counts, and
+        each kernel with its launch grid and buffer sizes evaluated — still taking its size
+        parameters (the same compiled code serves every binding)."""
+        from sextant.graph.ir import make_node
+        from sextant.kernel.sizes import instantiate_launch
+
+        values = dict(layout.binding)
+        buffers = [dataclasses.replace(b, offset=layout.offsets[b.index], node=make_node(
+            "input", (), {"name": f"buffer{b.index}", "shape": layout.shapes[b.index], "dtype": b.node.dtype}))
+            for b in self.buffers]
+        kernels = {name: instantiate_launch(k, values) for name, k in self.kernels.items()}
+        launches = [dataclasses.replace(la, blocks=blocks) for la, blocks in zip(self.launches, layout.blocks)]
+        return Program(self.graph, self.target, self.groups, kernels, launches, buffers, self.outputs,
+                       layout.arena_bytes, self.constants, self.notes, self.resources, self.work, self.rewrites)
+
     @property
     def peak_bytes(self) -> int:
         """Planned peak: the intermediate arena plus the outputs (inputs and weights excluded); for a

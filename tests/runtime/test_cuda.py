@@ -117,8 +117,9 @@ def test_cpu_input_is_refused_with_the_reason() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_symbolic_sizes_on_the_gpu(dtype: torch.dtype) -> None:
-    """GPT-2 (the built-in example) captured once with symbolic batch and sequence sizes: ragged
-    sizes (1, 7, 129 tokens) through the GPU's mappings — tensor cores and flash attention in fp16."""
+    """GPT-2 (the built-in example) compiled once with symbolic batch and sequence sizes — one
+    program, its kernels taking the sizes as parameters — at ragged sizes (1, 7, 129 tokens)
+    through the GPU's mappings: tensor cores and flash attention in fp16."""
     from torch.export import Dim
 
     model, (ids,) = gpt2(batch=2, seq=160)  # an example size of 1 would be specialised by torch.export
@@ -129,4 +130,8 @@ def test_symbolic_sizes_on_the_gpu(dtype: torch.dtype) -> None:
         for batch, seq in [(1, 7), (3, 129), (1, 1)]:
             x = torch.randint(0, 1000, (batch, seq), device="cuda")
             torch.testing.assert_close(compiled(x).float(), model(x).float(), **TOL[dtype])
-    assert len(compiled.stages["specializer"].modules) == 3
+    from sextant.runtime.cuda import SymbolicCudaRunner
+
+    runner = compiled.stages["runner"]
+    assert isinstance(runner, SymbolicCudaRunner) and len(runner._runners) == 3
+    assert any(k.sizes for k in compiled.stages["program"].kernels.values())

@@ -25,9 +25,10 @@ from sextant.examples import EXAMPLES
 from sextant.frontend.capture import capture
 from sextant.graph.ir import Graph
 from sextant.graph.passes import run_pipeline
+from sextant.kernel.sizes import instantiate
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.cpu import CpuModule
-from sextant.runtime.cuda import CudaError, CudaRunner, CudaUnavailableError, require_cuda
+from sextant.runtime.cuda import CudaError, CudaRunner, CudaUnavailableError, SymbolicCudaRunner, require_cuda
 from sextant.runtime.cuda_graph import ParamBlock, plan, topological_orders_ok
 from sextant.schedule.program import Program, schedule
 from sextant.schedule.target import sm90_target
@@ -210,21 +211,29 @@ class FakeDriver:
                         self._read_params(name, p.kernelParams))
 
     def _read_params(self, name: str, address: int) -> list[int]:
-        n = len(self.program.kernels[name].params)
+        kernel = self.program.kernels[name]
+        n = len(kernel.params) + len(kernel.sizes)  # buffers' addresses, then the sizes
         slots = (ctypes.c_void_p * n).from_address(address)
         return [ctypes.c_void_p.from_address(slots[k]).value or 0 for k in range(n)]
 
     def _run(self, node: FakeNode) -> None:
         name = self.names[node.func]
         kernel = self.program.kernels[name]
-        assert node.grid == kernel.grid and node.block == kernel.block, f"{name}: launched with the wrong shape"
+        # a kernel over symbolic sizes: its i32 size parameters follow the buffers; the launch's grid
+        # is the kernel's grid at those sizes
+        sizes = {z.name: int(v) & 0xFFFFFFFF for z, v in zip(kernel.sizes, node.values[len(kernel.params):])}
+        shape = instantiate(kernel, sizes) if sizes else kernel
+        assert node.grid == shape.grid and node.block == kernel.block, f"{name}: launched with the wrong shape"
         tensors = []
-        for p, address in zip(kernel.params, node.values):
+        for p, address in zip(shape.params, node.values):
             nbytes = p.size * p.dtype.itemsize
             assert address and address % 16 == 0, f"{name}: parameter {p.name} at {address:#x}"
-            raw = (ctypes.c_uint8 * nbytes).from_address(address)
-            tensors.append(torch.frombuffer(raw, dtype=torch.uint8).view(p.dtype.torch))
-        self.cpu.launch(name, tensors)
+            raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(address)
+            tensors.append(torch.frombuffer(raw, dtype=torch.uint8)[:nbytes].view(p.dtype.torch))
+        if sizes:
+            self.cpu.launch(name, tensors, shape.num_blocks, sizes=sizes)
+        else:
+            self.cpu.launch(name, tensors)
         self.executed.append((name, list(node.values)))
 
 
@@ -426,3 +435,34 @@ def test_profile_times_each_launch_and_leaves_calls_correct() -> None:
     x = torch.randn_like(args[0])
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_symbolic_sizes_one_module_every_binding(use_graph: bool) -> None:
+    """A program over symbolic sizes on target="cuda": the module is loaded and the weights uploaded
+    once; each binding gets its runner (grids, arena plan and the i32 size parameters after the
+    buffers' addresses, a CUDA graph of its own), and every size matches eager."""
+    from torch.export import Dim
+
+    model, (example,) = EXAMPLES["transformer-block"]()
+    dims = {0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=64)}
+    graph = run_pipeline(capture(model, (example,), dynamic_shapes={"x": dims}))
+    program = schedule(graph, sm90_target())
+    assert program.symbols and any(k.sizes for k in program.kernels.values())
+    kernels = list(program.kernels.values())
+    fake = FakeDriver(program, compile_kernels(kernels))
+    runner = SymbolicCudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90").ptx, arch="sm_90", device="cpu",
+                                driver=fake, use_graph=use_graph)
+    compiled = CompiledModule(graph, "cuda", runner, device="cpu")
+    with torch.no_grad():
+        for batch, seq in [(1, 1), (3, 17), (4, 64), (3, 17)]:
+            x = torch.randn(batch, seq, example.shape[-1])
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    assert fake.calls.count("cuModuleLoadData") == 1
+    owner = runner._owner
+    assert len(runner._runners) == 3 and all(r.constants is owner.constants for r in runner._runners.values())
+    some = next(k for k in program.kernels.values() if k.sizes)
+    last = [values for name, values in fake.executed if name == some.name][-1]
+    assert last[len(some.params):] == [{"batch": 3, "seq": 17}[z.name] for z in some.sizes]
+    runner.close()
+    assert fake.retained == 0
