@@ -396,13 +396,11 @@ class _KernelLowering(LoweringBase):
         gx, gy, _ = self.kernel.grid
         symbolic = self.kernel.meta.get("grid")  # extents over size arguments, per launch
         one_d = self.kernel.num_blocks == gx and (symbolic is None or (symbolic[1], symbolic[2]) == (1, 1))
-        if symbolic is not None and not one_d:
-            gxv, gyv = (self._value(dim_expr(d)) for d in symbolic[:2])
+        if symbolic is not None:
             self.grid_values = tuple(self._value(dim_expr(d)) for d in symbolic)
+            gxv, gyv = self.grid_values[:2]
         else:
             gxv, gyv = self._i32(gx), self._i32(gy)
-            if symbolic is not None:
-                self.grid_values = tuple(self._value(dim_expr(d)) for d in symbolic)
 
         def block(bl: ir.Value) -> None:
             b = self.b
@@ -698,10 +696,8 @@ class _KernelLowering(LoweringBase):
         if e.kind == "bdim":
             return self._i32(self.kernel.block[axis])
         if e.kind == "gdim":
-            if self.kernel.sizes and "grid" in self.kernel.meta:
+            if "grid" in self.kernel.meta:  # per launch
                 return self.grid_values[axis]
-            if self.kernel.sizes and "blocks" in self.kernel.meta:
-                raise self._fail("gdim of a launch whose block count is symbolic (use with_grid)")
             return self._i32(self.kernel.grid[axis])
         raise self._fail(f"unknown special register {e.kind}.{e.axis}")
 

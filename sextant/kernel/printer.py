@@ -46,6 +46,7 @@ from sextant.kernel.ir import (
     Var,
     WarpReduce,
 )
+from sextant.kernel.sizes import launch_blocks
 
 # C precedence: higher binds tighter
 _INFIX: dict[str, tuple[str, int]] = {
@@ -181,7 +182,7 @@ def print_kernel(kernel: Kernel) -> str:
     dims = lambda d: "(" + ",".join(map(str, d)) + ")"
     grid = dims(kernel.grid)
     if kernel.sizes:  # the block count is per launch; the grid is its capacity
-        grid = f"{kernel.meta.get('blocks', kernel.grid[0])} (at most {kernel.grid[0]})"
+        grid = f"{launch_blocks(kernel)} (at most {kernel.num_blocks})"
     lines = [f"kernel {kernel.name} grid={grid} block={dims(kernel.block)}"]
     params = ", ".join([f"{p.role} {_decl(p)}" for p in kernel.params] +
                        [f"size {s.var.name} in [{s.lo}, {s.hi}]" for s in kernel.sizes])

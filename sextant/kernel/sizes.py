@@ -3,8 +3,8 @@
 A kernel of a program with symbolic sizes (``sextant.compile(..., dynamic_shapes=...)``) reads
 each size it needs as a scalar ``i32`` argument (``Kernel.sizes``; register ``n_<name>`` in the
 body), so one compiled kernel serves every size in the declared ranges. Index arithmetic over a
-size is an ordinary expression over that register (:func:`dim_expr`); the block count of a launch
-is a :class:`~sextant.graph.symbolic.SymDim` evaluated per call (:func:`launch_blocks`), and the
+size is an ordinary expression over that register (:func:`dim_expr`); a launch grid over sizes is
+kept in ``meta["grid"]`` and evaluated per call (:func:`with_grid`, :func:`launch_blocks`), and the
 kernel's ``grid`` is its capacity: the grid at the sizes' upper bounds.
 
 :func:`instantiate` substitutes values for the sizes — a static kernel, which the verifier checks
@@ -20,7 +20,7 @@ from typing import Any
 
 import sympy
 
-from sextant.graph.symbolic import Bounds, Dim, SymbolicShapeError, SymDim
+from sextant.graph.symbolic import Bounds, Dim, SymbolicShapeError, SymDim, substitute
 from sextant.kernel.ir import (
     INDEX,
     SIZE_PREFIX,
@@ -101,16 +101,6 @@ def capacity(d: Dim) -> int:
     return int(d)
 
 
-def with_blocks(kernel: Kernel, blocks: Dim) -> Kernel:
-    """``kernel`` launched with ``blocks`` blocks (1-D): a symbolic count is kept in ``meta`` for the
-    launches and the grid becomes its capacity."""
-    if not isinstance(blocks, SymDim):
-        return dataclasses.replace(kernel, grid=(int(blocks), 1, 1))
-    k = dataclasses.replace(kernel, grid=(max(1, capacity(blocks)), 1, 1))
-    k.meta["blocks"] = blocks
-    return k
-
-
 def with_grid(kernel: Kernel, grid: tuple[Dim, Dim, Dim]) -> Kernel:
     """``kernel`` launched on ``grid``; symbolic extents are kept in ``meta["grid"]`` (evaluated per
     launch: the SIMT CPU lowering recovers a block's coordinates from them, the GPU reads ``nctaid``)
@@ -119,13 +109,13 @@ def with_grid(kernel: Kernel, grid: tuple[Dim, Dim, Dim]) -> Kernel:
         return dataclasses.replace(kernel, grid=tuple(int(g) for g in grid))
     k = dataclasses.replace(kernel, grid=tuple(max(1, capacity(g)) for g in grid))
     k.meta["grid"] = tuple(grid)
-    k.meta["blocks"] = grid[0] * grid[1] * grid[2]
     return k
 
 
 def launch_blocks(kernel: Kernel) -> Dim:
-    """How many blocks a launch of ``kernel`` runs: a ``SymDim`` for a symbolic count."""
-    return kernel.meta.get("blocks", kernel.num_blocks)
+    """How many blocks a launch of ``kernel`` runs: a ``SymDim`` for a symbolic grid."""
+    gx, gy, gz = kernel.meta.get("grid", kernel.grid)
+    return gx * gy * gz
 
 
 # -- which sizes a kernel reads ---------------------------------------------------------------------
@@ -191,14 +181,9 @@ def instantiate(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
 
     params = tuple(dataclasses.replace(b, size=b.size.subs(values)) if isinstance(b.size, SymDim) else b
                    for b in kernel.params)
-    blocks = launch_blocks(kernel)
-    if "grid" in kernel.meta:
-        grid = tuple(int(g.subs(values)) if isinstance(g, SymDim) else int(g) for g in kernel.meta["grid"])
-    else:
-        grid = (blocks.subs(values), 1, 1) if isinstance(blocks, SymDim) else kernel.grid
-    meta = {k: v for k, v in kernel.meta.items() if k not in ("blocks", "grid")}
-    return Kernel(kernel.name, params, tuple(max(1, g) for g in grid), kernel.block, sub(kernel.body),
-                  kernel.shared, kernel.local, meta)
+    grid = tuple(max(1, substitute(g, values)) for g in kernel.meta.get("grid", kernel.grid))
+    meta = {k: v for k, v in kernel.meta.items() if k != "grid"}
+    return Kernel(kernel.name, params, grid, kernel.block, sub(kernel.body), kernel.shared, kernel.local, meta)
 
 
 def instantiate_launch(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
@@ -207,8 +192,7 @@ def instantiate_launch(kernel: Kernel, values: Mapping[str, int]) -> Kernel:
     if not kernel.sizes:
         return kernel
     static = instantiate(dataclasses.replace(kernel, body=()), values)
-    return dataclasses.replace(kernel, params=static.params, grid=static.grid,
-                               meta={k: v for k, v in kernel.meta.items() if k not in ("blocks", "grid")})
+    return dataclasses.replace(kernel, params=static.params, grid=static.grid, meta=static.meta)
 
 
 def verification_points(sizes: Iterable[Size]) -> list[dict[str, int]]:

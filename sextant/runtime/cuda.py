@@ -120,26 +120,15 @@ class SymbolicCudaRunner:
         self._keep = keep
         self._owner: CudaRunner | None = None
         self._runners: dict[tuple, CudaRunner] = {}
-        self._bindings: dict[tuple, dict[str, int]] = {}
         self._lock = threading.Lock()
 
     def runner(self, inputs: Sequence[torch.Tensor]) -> CudaRunner:
-        from sextant.graph.bind import solve
-        from sextant.schedule.program import bounded_put
-
-        p = self.program
-        shapes = tuple(tuple(x.shape) for x in inputs)
+        layout = self.program.layout_for(inputs)
         with self._lock:
-            binding = self._bindings.get(shapes)
-            if binding is None:
-                binding = solve(p.graph, shapes, p.symbols)
-                bounded_put(self._bindings, shapes, binding)
-            layout = p.layout(binding)
             r = self._runners.get(layout.binding)
             if r is None:
-                view = p.bound(layout)
-                r = CudaRunner(view, share=self._owner, sizes=binding, **self._kwargs) if self._owner else \
-                    CudaRunner(view, sizes=binding, **self._kwargs)
+                r = CudaRunner(self.program.bound(layout), share=self._owner, sizes=dict(layout.binding),
+                               **self._kwargs)
                 self._owner = self._owner or r
                 self._runners[layout.binding] = r
                 while len(self._runners) > self._keep:

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
-from sextant.graph.bind import solve
 from sextant.kernel.sizes import instantiate
 from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
+from sextant.runtime.program_runner import ThreadArenas
 from sextant.schedule.program import Layout, Program, bounded_put
 
 # estimated statement executions (``estimate_work``) of all splittable launches below which the
@@ -71,10 +71,9 @@ class NativeRunner:
                 raise LaunchError(f"kernel {k.name} takes {len(launch.args) + len(k.sizes)} arguments; the "
                                   f"executor passes at most {MAX_ARGS}")
         self._plans: dict[tuple, tuple[ctypes.Array, ctypes.Array, int]] = {}
-        self._bindings: dict[tuple, dict[str, int]] = {}  # input shapes -> the symbols' values
         self._inputs = [b.index for b in program.buffers if b.kind == "input"]
         self._outputs = [b for b in program.buffers if b.kind == "output"]
-        self._local = threading.local()
+        self._arenas = ThreadArenas(program, self._slots)
         self._module = module  # keeps the machine code alive
         self._plan, self._argidx, self.workers = self._plan_for(program.layout()) if not program.symbols else \
             (None, None, workers())
@@ -114,54 +113,25 @@ class NativeRunner:
         bounded_put(self._plans, layout.binding, out)
         return out
 
-    def _state(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
-        """This thread's slot array (params, arena temps and sizes filled in), barrier and tensors at
-        ``layout``. One arena per thread, grown to the largest binding seen."""
-        states = getattr(self._local, "states", None)
-        if states is None:
-            states = self._local.states = {}
-            self._local.arena = torch.empty(0, dtype=torch.uint8)
-        st = states.get(layout.binding)
-        if st is None:
-            p = self.program
-            if layout.arena_bytes > self._local.arena.numel():
-                self._local.arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
-                states.clear()  # their views were into the old arena
-            arena = self._local.arena
-            tensors: dict[int, torch.Tensor] = dict(self._params)
-            for b in p.buffers:
-                if b.kind == "temp":
-                    off, shape = layout.offsets[b.index], layout.shapes[b.index]
-                    n = layout.nbytes(p, b.index)
-                    tensors[b.index] = arena[off:off + n].view(b.node.dtype.torch).view(shape)
-            slots = (ctypes.c_void_p * max(1, len(p.buffers) + len(p.symbols)))()
-            for i, t in tensors.items():
-                slots[i] = t.data_ptr()
-            for name, value in layout.binding:
-                slots[self._size_slot[name]] = value
-            sync = (ctypes.c_int32 * 2)()
-            st = (slots, sync, tensors)
-            bounded_put(states, layout.binding, st, 64)
-        return st
-
-    def layout(self, inputs: Sequence[torch.Tensor]) -> Layout:
-        """The program's sizes for these inputs (their shapes bind the symbols, checked)."""
+    def _slots(self, views: dict[int, torch.Tensor], layout: Layout
+               ) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
+        """A thread's slot array at ``layout`` (params, arena temps and sizes filled in), its barrier
+        and the tensors behind the slots."""
         p = self.program
-        if not p.symbols:
-            return p.layout()
-        shapes = tuple(tuple(x.shape) for x in inputs)
-        binding = self._bindings.get(shapes)
-        if binding is None:
-            binding = solve(p.graph, shapes, p.symbols)
-            bounded_put(self._bindings, shapes, binding)
-        return p.layout(binding)
+        tensors: dict[int, torch.Tensor] = {**self._params, **views}
+        slots = (ctypes.c_void_p * max(1, len(p.buffers) + len(p.symbols)))()
+        for i, t in tensors.items():
+            slots[i] = t.data_ptr()
+        for name, value in layout.binding:
+            slots[self._size_slot[name]] = value
+        return slots, (ctypes.c_int32 * 2)(), tensors
 
     def _bind(self, inputs: Sequence[torch.Tensor]
               ) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor], Layout]:
         """This thread's slots with the call's inputs and fresh outputs in them (the tensors returned
         must stay alive while the plan runs)."""
-        layout = self.layout(inputs)
-        slots, sync, fixed = self._state(layout)
+        layout = self.program.layout_for(inputs)
+        slots, sync, fixed = self._arenas.get(layout)
         tensors = dict(fixed)
         for i, x in zip(self._inputs, inputs):  # inputs come first, in graph order
             x = x.contiguous()
@@ -173,8 +143,8 @@ class NativeRunner:
             slots[b.index] = t.data_ptr()
         return slots, sync, tensors, layout
 
-    def _execute(self, plan: ctypes.Array, slots: ctypes.Array, sync: ctypes.Array, layout: Layout) -> None:
-        _, argidx, nw = self._plan_for(layout)
+    def _execute(self, plan: ctypes.Array, slots: ctypes.Array, sync: ctypes.Array, argidx: ctypes.Array,
+                 nw: int) -> None:
         run = self._run
         args = (ctypes.addressof(plan), ctypes.addressof(argidx), ctypes.addressof(slots),
                 ctypes.addressof(self._fns))
@@ -192,13 +162,13 @@ class NativeRunner:
         back to back by the native executor, after one whole forward has filled every buffer —
         so a launch costs what it costs inside a forward, without a Python call per launch."""
         slots, sync, tensors, layout = self._bind(inputs)
-        full = self._plan_for(layout)[0]
-        self._execute(full, slots, sync, layout)
+        full, argidx, nw = self._plan_for(layout)
+        self._execute(full, slots, sync, argidx, nw)
         empty = (ctypes.c_int32 * 1)(0)
 
         def call(plan: ctypes.Array) -> float:
             t0 = time.perf_counter()
-            self._execute(plan, slots, sync, layout)
+            self._execute(plan, slots, sync, argidx, nw)
             return time.perf_counter() - t0
 
         fixed = sorted(call(empty) for _ in range(21))[10]  # one executor call (the thread hand-off)
@@ -215,7 +185,8 @@ class NativeRunner:
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
         slots, sync, tensors, layout = self._bind(inputs)
-        self._execute(self._plan_for(layout)[0], slots, sync, layout)
+        plan, argidx, nw = self._plan_for(layout)
+        self._execute(plan, slots, sync, argidx, nw)
         out = []
         for i in p.outputs:
             t = tensors[i]

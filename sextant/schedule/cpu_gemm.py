@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from sextant.graph.dtypes import DType
 from sextant.graph.symbolic import Dim, SymbolicShapeError, SymDim
 from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Select, Store, Var
-from sextant.kernel.sizes import with_blocks
+from sextant.kernel.sizes import with_grid
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -237,8 +237,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     if may_be_nonzero(m, n, nb):
         block(bid)
     local = (acc, tile) + ((packed,) if g.pack else ()) + ((part,) if kc else ())
-    return with_blocks(Kernel(name, tuple(params), (1, 1, 1), (1, 1, 1), tuple(e.stmts), local=local),
-                       nb * per_batch)
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (1, 1, 1), tuple(e.stmts), local=local),
+                     (nb * per_batch, 1, 1))
 
 
 def _clamped_rows(g: Gemm, bidx: Index, rows: list[Expr]) -> list[RowReader]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sextant.errors import InputError
+from sextant.graph.bind import solve
 from sextant.graph.ir import Graph, Node
 from sextant.graph.reference import eval_node
 from sextant.graph.symbolic import Bounds, Dim, graph_symbols, substitute
@@ -77,7 +79,6 @@ class Layout:
     offsets: tuple[int, ...]  # per buffer: arena byte offset of a temp, -1 otherwise
     arena_bytes: int
     blocks: tuple[int, ...]  # per launch
-    sizes: tuple[tuple[int, ...], ...]  # per launch: the values of its kernel's size arguments
 
     def nbytes(self, program: Program, i: int) -> int:
         return math.prod(self.shapes[i]) * program.buffers[i].node.dtype.itemsize
@@ -104,38 +105,49 @@ class Program:
     # block counts and the memory plan are evaluated per binding: layout())
     symbols: Bounds = ()
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)
+    _bindings: dict = field(default_factory=dict, repr=False, compare=False)  # input shapes -> binding
 
     def layout(self, binding: dict[str, int] | None = None) -> Layout:
-        """Buffer shapes, arena offsets, block counts and size arguments at ``binding`` (planned once per
-        binding: the planner is a few microseconds per buffer, so each new size costs no compile)."""
+        """Buffer shapes, arena offsets and block counts at ``binding`` (planned once per binding: the
+        planner is a few microseconds per buffer, so each new size costs no compile)."""
         key = tuple(sorted((binding or {}).items()))
         hit = self._layouts.get(key)
         if hit is not None:
             return hit
         values = dict(key)
-        if self.symbols:
-            check_binding([Size(*b) for b in self.symbols], values, f"graph @{self.graph.name}")
         shapes = tuple(tuple(substitute(b.node.shape, values)) for b in self.buffers)
-        if self.symbols:
+        if not self.symbols:
+            offsets, arena = tuple(b.offset for b in self.buffers), self.arena_bytes
+        else:
+            check_binding([Size(*b) for b in self.symbols], values, f"graph @{self.graph.name}")
             for b, shape in zip(self.buffers, shapes):
                 if math.prod(shape) > INDEX_LIMIT:
                     raise InputError(
                         f"with {', '.join(f'{k}={v}' for k, v in key)} the value {b.node.op} at "
                         f"{b.node.loc or '?'} has {math.prod(shape)} elements: kernels index with 32-bit "
                         f"integers (at most {INDEX_LIMIT})")
-        if self.symbols:
-            nbytes = [math.prod(sh) * b.node.dtype.itemsize for sh, b in zip(shapes, self.buffers)]
             first, last = _lifetimes(self.launches)
             temps = [b.index for b in self.buffers if b.kind == "temp"]
+            nbytes = [math.prod(sh) * b.node.dtype.itemsize for sh, b in zip(shapes, self.buffers)]
             offsets_by, arena = memory.plan([memory.Interval(i, nbytes[i], first[i], last[i]) for i in temps])
             offsets = tuple(offsets_by.get(b.index, -1) for b in self.buffers)
-        else:
-            offsets, arena = tuple(b.offset for b in self.buffers), self.arena_bytes
         blocks = tuple(int(substitute(la.blocks, values)) for la in self.launches)
-        sizes = tuple(tuple(values[sz.name] for sz in self.kernels[la.kernel].sizes) for la in self.launches)
-        out = Layout(key, shapes, offsets, arena, blocks, sizes)
+        out = Layout(key, shapes, offsets, arena, blocks)
         bounded_put(self._layouts, key, out)  # a stream of distinct sizes must not grow memory forever
         return out
+
+    def layout_for(self, inputs: Sequence[torch.Tensor]) -> Layout:
+        """The layout a call with these inputs runs at: for a program over symbolic sizes the inputs'
+        shapes bind the symbols (``graph/bind.solve``, checked; cached by shapes, as every call at a
+        size seen before repeats them)."""
+        if not self.symbols:
+            return self.layout()
+        shapes = tuple(tuple(x.shape) for x in inputs)
+        binding = self._bindings.get(shapes)
+        if binding is None:
+            binding = solve(self.graph, shapes, self.symbols)
+            bounded_put(self._bindings, shapes, binding)
+        return self.layout(binding)
 
     def bound(self, layout: Layout) -> Program:
         """This program at one binding, for a runner that launches static grids (the CUDA runner):
@@ -158,12 +170,9 @@ class Program:
     def peak_bytes(self) -> int:
         """Planned peak: the intermediate arena plus the outputs (inputs and weights excluded); for a
         program over symbolic sizes, at the sizes' upper bounds."""
-        if self.symbols:
-            layout = self.layout({n: hi for n, _, hi in self.symbols})
-            out = {i for i in self.outputs if self.buffers[i].kind == "output"}
-            return layout.arena_bytes + sum(layout.nbytes(self, i) for i in out)
+        layout = self.layout({n: hi for n, _, hi in self.symbols})
         out = {i for i in self.outputs if self.buffers[i].kind == "output"}
-        return self.arena_bytes + sum(self.buffers[i].nbytes for i in out)
+        return layout.arena_bytes + sum(layout.nbytes(self, i) for i in out)
 
     def computed_nodes(self, launch: Launch) -> list[Node]:
         """The graph nodes a launch evaluates, in graph order: its group's members and every node
@@ -296,7 +305,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         k = mappings[g.kind](g, stored, target, "kernel")
         work.add("kernels: generated")
         work.add("kernels: statements", _statements(k.body))
-        key = (dataclasses.replace(k, name=""), k.meta.get("grid"), k.meta.get("blocks"))
+        key = (dataclasses.replace(k, name=""), k.meta.get("grid"))
         name = unique.get(key)
         if name is None:
             name = f"{g.kind}_{len(kernels)}"
