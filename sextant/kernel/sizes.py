@@ -102,11 +102,12 @@ def capacity(d: Dim) -> int:
 
 
 def with_grid(kernel: Kernel, grid: tuple[Dim, Dim, Dim]) -> Kernel:
-    """``kernel`` launched on ``grid``; symbolic extents are kept in ``meta["grid"]`` (evaluated per
-    launch: the SIMT CPU lowering recovers a block's coordinates from them, the GPU reads ``nctaid``)
-    and the kernel's grid is their capacity."""
+    """``kernel`` launched on ``grid`` (a static extent of at least one block: a launch is never
+    empty); symbolic extents are kept in ``meta["grid"]`` (evaluated per launch: the SIMT CPU lowering
+    recovers a block's coordinates from them, the GPU reads ``nctaid``) and the kernel's grid is
+    their capacity."""
     if not any(isinstance(g, SymDim) for g in grid):
-        return dataclasses.replace(kernel, grid=tuple(int(g) for g in grid))
+        return dataclasses.replace(kernel, grid=tuple(max(1, int(g)) for g in grid))
     k = dataclasses.replace(kernel, grid=tuple(max(1, capacity(g)) for g in grid))
     k.meta["grid"] = tuple(grid)
     return k

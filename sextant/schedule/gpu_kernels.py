@@ -206,7 +206,7 @@ def gpu_elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, n
     width = elementwise_vector_width(out, target)
     items = numel // width
     threads = _threads_for(capacity(items), target, ELEMENTWISE_THREADS)
-    blocks = -(-items // threads) if isinstance(items, SymDim) else max(1, -(-items // threads))
+    blocks = -(-items // threads)
     if may_be_nonzero(numel):
         i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
 
@@ -362,7 +362,7 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
         want = -(-capacity(rs.rows) // target.cores)  # rows per block that would give every SM a block
         rows_per_block = min(max_rows, max(per_warp, -(-want // per_warp) * per_warp))
         block = (lanes, rows_per_block, 1)
-        blocks = -(-rs.rows // rows_per_block) if isinstance(rs.rows, SymDim) else max(1, -(-rs.rows // rows_per_block))
+        blocks = -(-rs.rows // rows_per_block)
         meta = {"mapping": "warp-per-row", "lanes_per_row": lanes, "rows_per_block": rows_per_block}
         if may_be_nonzero(rs.rows):
             lane = TID_X if lanes > 1 else c(0)
@@ -385,7 +385,7 @@ def gpu_reduce_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
         threads = REDUCE_THREADS
         warps = threads // target.warp
         block = (threads, 1, 1)
-        blocks = rs.rows if isinstance(rs.rows, SymDim) else max(1, rs.rows)
+        blocks = rs.rows
         meta = {"mapping": "block-per-row", "threads": threads}
         if may_be_nonzero(rs.rows):
             lane_in_warp = e.bind(imod(TID_X, target.warp), "lane")
@@ -605,7 +605,7 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
     numel = cv.type.numel
     acc_t = accum_dtype(cv.dtype)
     threads = _threads_for(capacity(numel), target, CONV_THREADS)
-    blocks = -(-numel // threads) if isinstance(numel, SymDim) else max(1, -(-numel // threads))
+    blocks = -(-numel // threads)
     if may_be_nonzero(numel):
         i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
 
