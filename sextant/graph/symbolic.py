@@ -16,6 +16,7 @@ values for every symbol of a graph and gives an ordinary static graph.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
@@ -112,30 +113,7 @@ class SymDim:
 
     def range(self) -> tuple[int | float, int | float]:
         """The least and greatest value the declared ranges allow."""
-        from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
-
-        ranges = {sympy_symbol(n): ValueRanges(lo, hi) for n, lo, hi in self.bounds}
-        vr = bound_sympy(self.expr, ranges)
-        lo, hi = _num(vr.lower), _num(vr.upper)
-        factored = sympy.factor(self.expr)  # interval arithmetic is tighter on products: batch*(seq-1)
-        if factored != self.expr:
-            vf = bound_sympy(factored, ranges)
-            lo, hi = max(lo, _num(vf.lower)), min(hi, _num(vf.upper))
-        if self.expr.has(sympy.floor):  # floor(p/q) = p/q - t with t in [0, (q-1)/q]: the floors of a
-            # difference such as floor(L/2) - floor((L+1)/2) cancel up to bounded terms
-            rest, extra = self.expr, dict(ranges)
-            for k, f in enumerate(sorted(self.expr.atoms(sympy.floor), key=str)):
-                _, den = sympy.fraction(sympy.together(f.args[0]))
-                if not den.is_Integer:
-                    break
-                t = sympy.Symbol(f"_frac{k}")
-                extra[t] = ValueRanges(sympy.Integer(0), sympy.Rational(int(den) - 1, int(den)))
-                rest = rest.xreplace({f: f.args[0] - t})
-            else:
-                vr2 = bound_sympy(sympy.expand(rest), extra)  # the size is an integer: round inwards
-                lo2 = int(sympy.ceiling(vr2.lower)) if vr2.lower.is_finite else lo
-                lo, hi = max(lo, lo2), min(hi, _num_floor(vr2.upper, hi))
-        return lo, hi
+        return _range(self.expr, self.bounds)
 
     def _decide(self, other: object, op: str) -> bool:
         lifted = self._lift(other)
@@ -185,6 +163,36 @@ class SymDim:
 
 
 Dim = Union[int, SymDim]  # noqa: UP007
+
+
+@functools.lru_cache(maxsize=8192)
+def _range(expr: sympy.Expr, bounds: Bounds) -> tuple[int | float, int | float]:
+    """:meth:`SymDim.range`, once per size: the schedule asks the same sizes' ranges over and over
+    (capacities, comparisons), and interval arithmetic on sympy expressions is not cheap."""
+    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+    ranges = {sympy_symbol(n): ValueRanges(lo, hi) for n, lo, hi in bounds}
+    vr = bound_sympy(expr, ranges)
+    lo, hi = _num(vr.lower), _num(vr.upper)
+    factored = sympy.factor(expr)  # interval arithmetic is tighter on products: batch*(seq-1)
+    if factored != expr:
+        vf = bound_sympy(factored, ranges)
+        lo, hi = max(lo, _num(vf.lower)), min(hi, _num(vf.upper))
+    if expr.has(sympy.floor):  # floor(p/q) = p/q - t with t in [0, (q-1)/q]: the floors of a
+        # difference such as floor(L/2) - floor((L+1)/2) cancel up to bounded terms
+        rest, extra = expr, dict(ranges)
+        for k, f in enumerate(sorted(expr.atoms(sympy.floor), key=str)):
+            _, den = sympy.fraction(sympy.together(f.args[0]))
+            if not den.is_Integer:
+                break
+            t = sympy.Symbol(f"_frac{k}")
+            extra[t] = ValueRanges(sympy.Integer(0), sympy.Rational(int(den) - 1, int(den)))
+            rest = rest.xreplace({f: f.args[0] - t})
+        else:
+            vr2 = bound_sympy(sympy.expand(rest), extra)  # the size is an integer: round inwards
+            lo2 = int(sympy.ceiling(vr2.lower)) if vr2.lower.is_finite else lo
+            lo, hi = max(lo, lo2), min(hi, _num_floor(vr2.upper, hi))
+    return lo, hi
 
 
 def _num_floor(v: Any, default: int | float) -> int | float:
