@@ -275,10 +275,15 @@ class Size:
 
     @property
     def var(self) -> Var:
-        return Var(SIZE_PREFIX + self.name, INDEX)
+        return size_var(self.name)
 
 
 SIZE_PREFIX = "n_"  # a size parameter's register name: ``n_seq`` (emitted registers end in a number)
+
+
+def size_var(name: str) -> Var:
+    """The register a kernel reads size ``name`` from."""
+    return Var(SIZE_PREFIX + name, INDEX)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,13 +30,10 @@ from sextant.kernel.ir import (
     Kernel,
     Size,
     Var,
+    size_var,
 )
 
 MAX_BLOCKS = 2**31 - 1  # a launch's block index is an i32
-
-
-def size_var(name: str) -> Var:
-    return Var(SIZE_PREFIX + name, INDEX)
 
 
 def dim_expr(d: Dim) -> Expr:
