@@ -10,6 +10,7 @@ A symbol without a finite upper bound gets ``INDEX_MAX``: sizes index with 32-bi
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -62,18 +63,19 @@ def _plain(expr: Any) -> Any:
     ``PythonMod``) written as plain sympy ``floor``/``ceiling``/``Mod``, so that a size torch computed
     (a convolution's output length, ``(L - 5)//2 + 1``) and the same size the graph IR derives are one
     polynomial form and compare equal."""
-    import sympy
-    from torch.utils._sympy import functions as tf
-
-    rules = []
-    for name, fn in (("FloorDiv", lambda a, b: sympy.floor(a / b)), ("CeilDiv", lambda a, b: sympy.ceiling(a / b)),
-                     ("PythonMod", sympy.Mod), ("ModularIndexing", lambda x, d, m: sympy.Mod(sympy.floor(x / d), m))):
-        cls = getattr(tf, name, None)
-        if cls is not None:
-            rules.append((cls, fn))
-    for cls, fn in rules:
+    for cls, fn in _torch_functions():
         expr = expr.replace(lambda e, cls=cls: isinstance(e, cls), lambda e, fn=fn: fn(*e.args))
     return expr
+
+
+@functools.cache
+def _torch_functions() -> tuple[tuple[type, Any], ...]:
+    """(torch's sympy function class, its plain-sympy form) for those this torch version has."""
+    from torch.utils._sympy import functions as tf
+
+    forms = (("FloorDiv", lambda a, b: sympy.floor(a / b)), ("CeilDiv", lambda a, b: sympy.ceiling(a / b)),
+             ("PythonMod", sympy.Mod), ("ModularIndexing", lambda x, d, m: sympy.Mod(sympy.floor(x / d), m)))
+    return tuple((getattr(tf, name), fn) for name, fn in forms if hasattr(tf, name))
 
 
 def finite_bound(v: Any, default: int) -> int:
