@@ -13,6 +13,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from sextant.errors import ExportError, UnsupportedOp, UnsupportedOpError
+from sextant.frontend.extern_calls import NotExtern, extern_refusal, lower_extern
 from sextant.frontend.lowerings import KEPT_WHOLE, LOWERINGS, LoweringContext, Unsupported
 from sextant.frontend.source import module_path, short_loc, user_frame
 from sextant.frontend.symbols import TorchSymbols, declared_names
@@ -71,12 +72,15 @@ def _unsupported(node: torch.fx.Node, reason: str = "") -> UnsupportedOp:
     return UnsupportedOp(_op_name(node.target), source, frame[2] if frame else "", module_path(node), reason)
 
 
-def find_unsupported(ep: ExportedProgram) -> list[UnsupportedOp]:
-    """Every op occurrence with no lowering (all at once, so the user sees the whole list)."""
+def find_unsupported(ep: ExportedProgram, strict: bool = True) -> list[UnsupportedOp]:
+    """Every op occurrence with no lowering (all at once, so the user sees the whole list); unless
+    ``strict``, only those that cannot run as extern calls either (with the reason)."""
     items = []
     for node in ep.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem and node.target not in LOWERINGS:
-            items.append(_unsupported(node))
+            why = None if strict else extern_refusal(node)
+            if strict or why is not None:
+                items.append(_unsupported(node, why or ""))
     return items
 
 
@@ -92,10 +96,12 @@ def _check_dtype(node: torch.fx.Node, val: Any) -> list[UnsupportedOp]:
     return bad
 
 
-def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, str] | None = None) -> Graph:
+def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, str] | None = None,
+              strict: bool = False) -> Graph:
     """Translate an exported (decomposed) program into a verified graph; symbolic sizes become
-    ``SymDim``s, named after their declared ``Dim`` where ``dim_names`` (torch's symbol → name) says."""
-    problems = find_unsupported(ep)
+    ``SymDim``s, named after their declared ``Dim`` where ``dim_names`` (torch's symbol → name) says.
+    An op with no lowering becomes an ``extern`` call (``frontend/extern_calls.py``) unless ``strict``."""
+    problems = find_unsupported(ep, strict)
     for node in ep.graph.nodes:
         if node.op == "placeholder" or (node.op == "call_function" and node.target in LOWERINGS):
             problems += _check_dtype(node, node.meta.get("val"))
@@ -136,8 +142,11 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
             continue
         b.loc = short_loc(node)
         try:
-            env[node.name] = LOWERINGS[node.target](LoweringContext(b, node, syms.dim), *args, **kwargs)
-        except Unsupported as e:
+            if node.target in LOWERINGS:
+                env[node.name] = LOWERINGS[node.target](LoweringContext(b, node, syms.dim), *args, **kwargs)
+            else:
+                env[node.name] = lower_extern(LoweringContext(b, node, syms.dim), args, kwargs)
+        except (Unsupported, NotExtern) as e:
             raise UnsupportedOpError([_unsupported(node, str(e))]) from None
         except SymbolicShapeError as e:
             raise UnsupportedOpError([_unsupported(node, f"not with symbolic sizes yet: {e}")]) from None
@@ -175,12 +184,13 @@ def _check_result(node: torch.fx.Node, value: Any, syms: TorchSymbols) -> None:
 
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
-            name: str | None = None, dynamic_shapes: Any = None) -> Graph:
+            name: str | None = None, dynamic_shapes: Any = None, strict: bool = False) -> Graph:
     """Capture ``module(*args, **kwargs)`` as sextant graph IR (parameters become named constants);
-    with ``dynamic_shapes`` (torch.export's), the sizes it names are symbolic in the graph."""
+    with ``dynamic_shapes`` (torch.export's), the sizes it names are symbolic in the graph. Ops with no
+    lowering become extern calls, or (``strict``) the reason for an :class:`UnsupportedOpError`."""
     ep = export(module, args, kwargs, dynamic_shapes)
     names = declared_names(module, args if isinstance(args, tuple) else (args,), kwargs, dynamic_shapes, ep)
-    return translate(ep, name or _graph_name(module), names)
+    return translate(ep, name or _graph_name(module), names, strict)
 
 
 def _graph_name(module: torch.nn.Module) -> str:

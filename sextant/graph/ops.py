@@ -62,7 +62,7 @@ REDUCE_FNS = frozenset({"sum", "prod", "max", "min"})
 MOVEMENT = frozenset({"reshape", "permute", "expand", "slice", "pad", "concat", "gather"})
 SOURCES = frozenset({"input", "param", "full", "iota"})
 ALL_OPS = (UNARY | BINARY | MOVEMENT | SOURCES
-           | {"where", "cast", "reduce", "matmul", "conv"})
+           | {"where", "cast", "reduce", "matmul", "conv", "extern"})
 # fmt: on
 
 _FLOAT_ONLY_BINARY = frozenset({"atan2"})
@@ -106,6 +106,14 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
             _check(isinstance(value, (int, float, bool)) or (isinstance(value, SymDim) and dtype.is_int),
                    "full.value must be a number (or a size, for an integer fill)")
         return TensorType(shape, dtype)
+
+    if op == "extern":  # an op called as itself (sextant/graph/extern.py): its type is what torch recorded
+        _check(all(isinstance(attrs.get(k), str) for k in ("fn", "args", "kwargs")),
+               "extern needs fn, args and kwargs (strings)")
+        _check(isinstance(attrs.get("result"), int) and attrs["result"] >= 0, "extern.result must be an index")
+        shape = _ints(attrs.get("shape"), "extern.shape")
+        _check(isinstance(attrs.get("dtype"), DType), "extern.dtype must be a DType")
+        return TensorType(shape, attrs["dtype"])
 
     if op in UNARY:
         _check(n == 1, f"{op} takes 1 operand, got {n}")

@@ -137,7 +137,7 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
             except SymbolicShapeError as e:
                 raise ParseError(f"line {lineno}: {e}") from None
         t = _type_at(nm["type"], bounds, lineno)
-        if op in SOURCES:
+        if op in SOURCES or op == "extern":
             attrs.update(shape=t.shape, dtype=t.dtype)
         if op == "cast":
             attrs["dtype"] = t.dtype

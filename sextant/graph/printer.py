@@ -25,7 +25,7 @@ from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import SOURCES
 from sextant.graph.symbolic import describe, graph_symbols
 
-_IMPLIED = {op: ("shape", "dtype") for op in SOURCES} | {"cast": ("dtype",)}
+_IMPLIED = {op: ("shape", "dtype") for op in SOURCES} | {"cast": ("dtype",), "extern": ("shape", "dtype")}
 _IMPLIED["input"] = ("shape", "dtype", "name", "index")
 _NAME_OK = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 

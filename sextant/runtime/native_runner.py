@@ -22,6 +22,7 @@ import torch
 from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
 from sextant.kernel.sizes import instantiate
 from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
+from sextant.runtime.extern import run_extern
 from sextant.runtime.program_runner import ThreadArenas
 from sextant.schedule.program import Layout, Program, bounded_put
 
@@ -52,6 +53,13 @@ def _forget_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
+def _table(rows: list[list[int]]) -> ctypes.Array:
+    """A plan table for the executor: the row count, then the rows."""
+    flat = [len(rows)] + [x for row in rows for x in row]
+    assert len(flat) == 1 + FIELDS * len(rows)
+    return (ctypes.c_int32 * len(flat))(*flat)
+
+
 class NativeRunner:
     def __init__(self, program: Program, module: CpuModule) -> None:
         self.program = program
@@ -63,7 +71,8 @@ class NativeRunner:
             *[ctypes.cast(module._fns[n], ctypes.c_void_p).value for n in names])
         # a kernel's size arguments sit in the slot array after the buffers, one slot per symbol
         self._size_slot = {name: len(program.buffers) + j for j, (name, _, _) in enumerate(program.symbols)}
-        for launch in program.launches:
+        self._kernel_launches = [la for la in program.launches if la.extern is None]
+        for launch in self._kernel_launches:
             k = program.kernels[launch.kernel]
             if len(set(launch.args)) != len(launch.args):  # codegen's alias scopes promise distinct buffers
                 raise LaunchError(f"kernel {k.name} is launched with one buffer in two parameters")
@@ -75,19 +84,22 @@ class NativeRunner:
         self._outputs = [b for b in program.buffers if b.kind == "output"]
         self._arenas = ThreadArenas(program, self._slots)
         self._module = module  # keeps the machine code alive
-        self._plan, self._argidx, self.workers = self._plan_for(program.layout()) if not program.symbols else \
-            (None, None, workers())
+        self._plan, self._argidx, self.workers, _ = self._plan_for(program.layout()) if not program.symbols else \
+            (None, None, workers(), None)
 
-    def _plan_for(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, int]:
-        """The plan table, argument slot indices and worker count of the launches at ``layout``."""
+    def _plan_for(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, int, list | None]:
+        """The plan table of the kernel launches at ``layout``, their argument slot indices, the worker
+        count, and — when the program calls extern ops between kernels — its segments: ``(plan,
+        None)`` for a run of kernels walked natively, ``(None, launch)`` for an extern call."""
         hit = self._plans.get(layout.binding)
         if hit is not None:
             return hit
         program, nthreads = self.program, workers()
+        kernel_launches = [(la, b) for la, b in zip(program.launches, layout.blocks) if la.extern is None]
         parallel, split_work = [], 0
         values = dict(layout.binding)
         estimates: dict[str, int] = {}  # a kernel over sizes is estimated at this binding's instance
-        for launch, blocks in zip(program.launches, layout.blocks):
+        for launch, blocks in kernel_launches:
             k = program.kernels[launch.kernel]
             if not 0 <= blocks <= k.num_blocks:  # the kernel's grid is its capacity
                 raise LaunchError(f"kernel {k.name}: {blocks} blocks at {dict(layout.binding)}, more than its "
@@ -101,15 +113,28 @@ class NativeRunner:
         if split_work < SINGLE_WORKER_WORK:  # a second thread would cost more than it saves
             parallel = [False] * len(parallel)
         nworkers = nthreads if any(parallel) else 1
-        plan, argidx = [len(program.launches)], []
-        for li, (launch, blocks) in enumerate(zip(program.launches, layout.blocks)):
+        rows, argidx = [], []
+        for li, (launch, blocks) in enumerate(kernel_launches):
             nxt = parallel[li + 1] if li + 1 < len(parallel) else False
             flags = (PARALLEL if parallel[li] else 0) | (BARRIER if parallel[li] or nxt else 0)
             sizes = [self._size_slot[s.name] for s in program.kernels[launch.kernel].sizes]
-            plan += [self._index[launch.kernel], len(launch.args) + len(sizes), len(argidx), blocks, flags]
+            rows.append([self._index[launch.kernel], len(launch.args) + len(sizes), len(argidx), blocks, flags])
             argidx += [*launch.args, *sizes]
-        assert len(plan) == 1 + FIELDS * len(program.launches)
-        out = ((ctypes.c_int32 * len(plan))(*plan), (ctypes.c_int32 * max(1, len(argidx)))(*argidx), nworkers)
+        segments = None
+        if len(kernel_launches) < len(program.launches):
+            segments, pending, ki = [], [], 0
+            for launch in program.launches:
+                if launch.extern is None:
+                    pending.append(rows[ki])
+                    ki += 1
+                    continue
+                if pending:
+                    segments.append((_table(pending), None))
+                    pending = []
+                segments.append((None, launch))
+            if pending:
+                segments.append((_table(pending), None))
+        out = (_table(rows), (ctypes.c_int32 * max(1, len(argidx)))(*argidx), nworkers, segments)
         bounded_put(self._plans, layout.binding, out)
         return out
 
@@ -158,12 +183,13 @@ class NativeRunner:
                 f.result()
 
     def profile(self, inputs: Sequence[torch.Tensor], repeats: int = 10) -> list[float]:
-        """Seconds per launch (in plan order), each measured as its plan row run ``repeats`` times
-        back to back by the native executor, after one whole forward has filled every buffer —
-        so a launch costs what it costs inside a forward, without a Python call per launch."""
+        """Seconds per launch (in program order), each kernel measured as its plan row run ``repeats``
+        times back to back by the native executor, after one whole forward has filled every buffer —
+        so a launch costs what it costs inside a forward, without a Python call per launch; an extern
+        call is timed as the call it is (the op and the copy of its results)."""
         slots, sync, tensors, layout = self._bind(inputs)
-        full, argidx, nw = self._plan_for(layout)
-        self._execute(full, slots, sync, argidx, nw)
+        full, argidx, nw, segments = self._plan_for(layout)
+        self._run_all(full, segments, slots, sync, argidx, nw, tensors)
         empty = (ctypes.c_int32 * 1)(0)
 
         def call(plan: ctypes.Array) -> float:
@@ -172,9 +198,19 @@ class NativeRunner:
             return time.perf_counter() - t0
 
         fixed = sorted(call(empty) for _ in range(21))[10]  # one executor call (the thread hand-off)
-        rows = [list(full[1 + FIELDS * i:1 + FIELDS * (i + 1)]) for i in range(len(self.program.launches))]
+        nkernels = len(self._kernel_launches)
+        rows = iter([list(full[1 + FIELDS * i:1 + FIELDS * (i + 1)]) for i in range(nkernels)])
         out = []
-        for row in rows:
+        for launch in self.program.launches:
+            if launch.extern is not None:
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    run_extern(self.program, launch, tensors)
+                    times.append(time.perf_counter() - t0)
+                out.append(min(times))
+                continue
+            row = next(rows)
             row = row[:4] + [row[4] | BARRIER]  # every repetition finishes before the next starts
             plan = (ctypes.c_int32 * (1 + FIELDS * repeats))(repeats, *(row * repeats))
             call(plan)  # warm
@@ -182,11 +218,23 @@ class NativeRunner:
         del tensors
         return out
 
+    def _run_all(self, plan: ctypes.Array, segments: list | None, slots: ctypes.Array, sync: ctypes.Array,
+                 argidx: ctypes.Array, nw: int, tensors: dict[int, torch.Tensor]) -> None:
+        """One forward: the whole plan in one native call, or segment by segment around extern calls."""
+        if segments is None:
+            self._execute(plan, slots, sync, argidx, nw)
+            return
+        for table, launch in segments:
+            if launch is None:
+                self._execute(table, slots, sync, argidx, nw)
+            else:
+                run_extern(self.program, launch, tensors)
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
         slots, sync, tensors, layout = self._bind(inputs)
-        plan, argidx, nw = self._plan_for(layout)
-        self._execute(plan, slots, sync, argidx, nw)
+        plan, argidx, nw, segments = self._plan_for(layout)
+        self._run_all(plan, segments, slots, sync, argidx, nw, tensors)
         out = []
         for i in p.outputs:
             t = tensors[i]

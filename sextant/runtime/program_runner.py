@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from sextant.runtime.extern import run_extern
 from sextant.schedule.program import Layout, Program, bounded_put
 
 LaunchFn = Callable[[str, list[torch.Tensor], int], None]
@@ -69,6 +70,9 @@ class ProgramRunner:
                 tensors[b.index] = torch.empty(layout.shapes[b.index], dtype=b.node.dtype.torch)
         values = dict(layout.binding)
         for launch, blocks in zip(p.launches, layout.blocks):
+            if launch.extern is not None:
+                run_extern(p, launch, tensors)
+                continue
             args = [tensors[a] for a in launch.args]
             if p.kernels[launch.kernel].sizes:
                 self._launch(launch.kernel, args, blocks, sizes=values)  # type: ignore[call-arg]

@@ -21,11 +21,19 @@ def _dims(d: tuple[int, int, int]) -> str:
 
 
 def describe_program(p: Program) -> str:
-    lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches)} launches, "
-             f"{len(p.kernels)} unique kernels, planned peak {_mib(p.peak_bytes)} "
+    externs = sum(launch.extern is not None for launch in p.launches)
+    calls = f" and {externs} extern call{'s' if externs > 1 else ''}" if externs else ""
+    lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches) - externs} launches, "
+             f"{len(p.kernels)} unique kernels{calls}, planned peak {_mib(p.peak_bytes)} "
              f"(arena {_mib(p.arena_bytes)})"]
     for li, launch in enumerate(p.launches):
         g = p.groups[launch.group]
+        if (call := launch.extern) is not None:  # an op called as itself, on the host, between kernels
+            args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
+            lines.append(f"  #{li:<3} {launch.kernel:<16} {'extern':<11} {'host call':<12} [{call.fn}]")
+            lines.append(f"        buffers ({args})")
+            lines.append(f"        from {call.loc or '?'}")
+            continue
         computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED]
         ops = " ".join(n.op for n in computed)
         locs = sorted({n.loc for n in computed if n.loc})

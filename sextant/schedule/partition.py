@@ -26,6 +26,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sextant.graph.extern import call_key
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import MOVEMENT, is_elementwise
 from sextant.schedule.attention_match import Attention, match_attention
@@ -37,7 +38,7 @@ PROLOGUE_OPS_LIMIT = 2  # a matmul/conv operand computed with more ops than this
 
 @dataclass
 class Group:
-    kind: str  # "elementwise" | "reduce" | "matmul" | "conv" | "attention"
+    kind: str  # "elementwise" | "reduce" | "matmul" | "conv" | "attention" | "extern"
     anchor: Node  # the node whose iteration space the kernel walks
     members: list[Node] = field(default_factory=list)  # computed in this kernel, topological order
     outputs: list[Node] = field(default_factory=list)  # members stored to memory
@@ -106,6 +107,7 @@ class _Fusion:
         self.users = graph.users()
         self.outputs = {id(o) for o in graph.outputs}
         self.stored: set[int] = set()  # nodes that get a buffer written by some kernel
+        self.pinned: set[int] = set()  # stored nodes read by extern calls: never dropped from memory
         self.group_of: dict[int, Group] = {}
         self.groups: dict[int, Group] = {}  # id -> group, in creation order
         # members of a contraction/reduction group that all its other members depend on: its
@@ -139,10 +141,27 @@ class _Fusion:
                             and self.tree_cost(operand, PROLOGUE_OPS_LIMIT) > PROLOGUE_OPS_LIMIT):
                         stored.add(id(operand))
 
+        # An extern call reads its operands from memory, whole and in their own shape, and writes
+        # every result: the operands are stored (kept through _drop_stored_reshapes), the results too.
+        extern_calls: dict[tuple, Group] = {}
+        for n in graph.nodes:
+            if n.op == "extern":
+                for operand in n.inputs:
+                    if not is_buffer(operand):
+                        stored.add(id(operand))
+                        self.pinned.add(id(operand))
+                stored.add(id(n))
+
         for n in graph.nodes:
             if is_buffer(n) or id(n) in group_of:
                 continue
-            if n.op == "reduce":
+            if n.op == "extern":
+                key = call_key(n)
+                if key in extern_calls:
+                    self.add(extern_calls[key], n)
+                else:
+                    extern_calls[key] = self.new_group("extern", n)
+            elif n.op == "reduce":
                 g = self.join_reduce_group(n) or self.new_group("reduce", n)
                 group_of[id(n)] = g
                 if n is not g.anchor:
@@ -186,7 +205,7 @@ class _Fusion:
             if g is not None:
                 g.notes.append(f"attention at {node.loc or '?'} not fused: {why}")
         groups = list(self.groups.values())
-        _drop_stored_reshapes(groups, stored, self.outputs)
+        _drop_stored_reshapes(groups, stored, self.outputs | self.pinned)
         pos = self.pos
         for g in groups:
             g.members.sort(key=lambda m: pos[id(m)])

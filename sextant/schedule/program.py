@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +48,28 @@ class BufferInfo:
 
 
 @dataclass(frozen=True)
+class ExternCall:
+    """An op the runtime calls as itself between kernels (``sextant/graph/extern.py``): the launch's
+    arguments are the call's operands, then one buffer per result it keeps (``results``: which)."""
+
+    fn: str  # "aten.topk.default"
+    args: str  # JSON, "$k" for the k-th operand
+    kwargs: str
+    results: tuple[int, ...]  # per output buffer, the index of the call's result written into it
+    loc: str | None = None
+
+    @property
+    def operands(self) -> int:
+        return -len(self.results)  # launch.args[:operands] are the operands
+
+
+@dataclass(frozen=True)
 class Launch:
-    kernel: str  # name of a unique kernel
+    kernel: str  # name of a unique kernel (for an extern call: a display name, not in Program.kernels)
     group: int  # index into Program.groups
     args: tuple[int, ...]  # buffer indices, in the kernel's parameter order
     blocks: Dim  # symbolic in a program over symbolic sizes: evaluated per call (Layout)
+    extern: ExternCall | None = None  # an extern call, not a kernel launch
 
 
 def bounded_put(cache: dict, key: object, value: object, limit: int = 256) -> None:
@@ -299,9 +316,15 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     unique: dict[tuple, str] = {}
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []
+    externs = 0
     for gi, g in enumerate(groups):
         if all(o.type.numel == 0 for o in g.outputs):
             continue  # nothing to compute: an empty output needs a buffer (allocated below), not a kernel
+        if g.kind == "extern":
+            launches.append(extern_launch(g, gi, f"extern_{externs}", buffer, graph_outputs))
+            externs += 1
+            work.add("extern calls")
+            continue
         k = mappings[g.kind](g, stored, target, "kernel")
         work.add("kernels: generated")
         work.add("kernels: statements", _statements(k.body))
@@ -331,6 +354,17 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     constants = {k: v for k, v in constants.items() if k in used}
     return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes,
                    work=work, rewrites=split_notes, symbols=bounds)
+
+
+def extern_launch(g: Group, gi: int, name: str, buffer: Callable[[Node, str], int],
+                  graph_outputs: set[int]) -> Launch:
+    """The launch of an extern group: its operands' buffers, then one buffer per result node."""
+    first = g.members[0]
+    ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in first.inputs]
+    outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.members]
+    call = ExternCall(first.attr("fn"), first.attr("args"), first.attr("kwargs"),
+                      tuple(o.attr("result") for o in g.members), first.loc)
+    return Launch(name, gi, tuple(ins + outs), 1, call)
 
 
 def _lifetimes(launches: list[Launch]) -> tuple[dict[int, int], dict[int, int]]:
