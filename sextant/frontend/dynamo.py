@@ -15,9 +15,10 @@ The backend is registered under the name ``sextant`` as a ``torch_dynamo_backend
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,9 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     def compile_for(args: Sequence[Any]) -> Any:
         flat = _Flat(gm, args)
-        compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
-                                   target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
+        with outside_dynamo():
+            compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
+                                       target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
         if not flat.baked:
             return compiled
         return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
@@ -106,8 +108,10 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         kept = [i for i in range(len(args)) if i not in flat.baked]
         sized = _Sized(flat, kept, plan)
         tensors = tuple(args[i] for i in sized.tensor_args)
-        compiled = sextant.compile(sized, tensors, target=target, arch=opts.get("arch"),
-                                   pipeline=opts.get("pipeline", "default"), dynamic_shapes=sized.dynamic_shapes())
+        with outside_dynamo():
+            compiled = sextant.compile(sized, tensors, target=target, arch=opts.get("arch"),
+                                       pipeline=opts.get("pipeline", "default"),
+                                       dynamic_shapes=sized.dynamic_shapes())
 
         def run(*xs: Any) -> Any:
             return compiled(*(xs[i] for i in sized.tensor_args))
@@ -150,6 +154,23 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     run.compiled = compiled  # type: ignore[attr-defined]  # for inspection (stages, kernels)
     return run
+
+
+@contextlib.contextmanager
+def outside_dynamo() -> Iterator[None]:
+    """Run a capture as if no Dynamo compile were in progress.
+
+    The backend is called while Dynamo's ``TracingContext`` is installed, and torch.export adopts
+    that context's fake mode, ShapeEnv included, when it finds one. A capture that then creates
+    symbols (a size read with ``.item()``: unbacked, with no source in the user's frame) leaves them
+    in Dynamo's ShapeEnv, and Dynamo's guard building for the frame fails on them ("sources must
+    not be empty for symbol s78") even though sextant fell back for that graph. With no context
+    installed, torch.export makes its own FakeTensorMode and ShapeEnv and Dynamo's stay untouched.
+    """
+    from torch._guards import tracing
+
+    with tracing(None):
+        yield
 
 
 def _signature(a: Any) -> Any:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import sextant
@@ -187,3 +188,61 @@ def test_derived_sizes_after_a_graph_break_capture_once() -> None:
         x = torch.randn(2, n)
         torch.testing.assert_close(compiled(x), model(x))
     assert [g.reason for g in dyn.STATS.graphs] == ["symbolic shapes: one capture"] * 2
+
+
+class _TensorPad(nn.Module):
+    """Reflect padding by an amount held in a 0-d tensor, as Encodec's convolutions pad: torch.export
+    reads the amount with ``.item()`` (a data-dependent size), so sextant cannot capture this graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pad", torch.tensor(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x, (self.pad, self.pad), mode="reflect")
+        return x[..., : x.shape[-1] - 1] * 2
+
+
+def test_failed_capture_leaves_dynamos_shape_env_alone() -> None:
+    """The capture runs under its own fake mode: a graph it cannot capture falls back, and Dynamo's
+    ShapeEnv gains no symbols or guards from the attempt. Before, torch.export ran in Dynamo's
+    ShapeEnv, left unbacked symbols with no source there, and Dynamo's guard building for the frame
+    failed ("sources must not be empty for symbol s78", or an IndexError), so the call raised."""
+    changed = []
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        env = torch._guards.TracingContext.get().fake_mode.shape_env
+        before = set(env.var_to_range), len(env.guards)
+        fn = dyn.sextant_backend(gm, example_inputs)
+        changed.append((set(env.var_to_range), len(env.guards)) != before)
+        return fn
+
+    model = _TensorPad()
+    for backend in (spy, "sextant"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        for n in (16, 20):  # the second length: Dynamo's automatic dynamic, symbolic sizes
+            x = torch.randn(1, 2, n)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert changed and not any(changed)
+    assert dyn.STATS.fallbacks >= 1
+    assert all("_local_scalar_dense" in g.reason for g in dyn.STATS.graphs if g.target is None)
+
+
+def test_encodec_encoder() -> None:
+    """Encodec's encoder (transformers, small config, random weights): convolutions padded by
+    data-dependent amounts (``_pad1d``), then an LSTM. torch.export cannot capture the padding, so
+    Dynamo's graphs around it fall back and the rest compile; the model runs and matches eager, also
+    at a second length (automatic dynamic)."""
+    from transformers import EncodecConfig, EncodecModel
+
+    torch.manual_seed(0)
+    cfg = EncodecConfig(hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[2, 2],
+                        codebook_size=32, codebook_dim=16, num_lstm_layers=1, audio_channels=1)
+    encoder = EncodecModel(cfg).encoder.eval()
+    compiled = torch.compile(encoder, backend="sextant")
+    with torch.no_grad():
+        for n in (200, 301):
+            x = torch.randn(1, 1, n)
+            torch.testing.assert_close(compiled(x), encoder(x), rtol=1e-4, atol=1e-4)
+    assert dyn.STATS.compiled >= 1 and dyn.STATS.fallbacks >= 1
