@@ -42,6 +42,7 @@ def compile(  # mirrors torch.compile
     progress: StageHook | None = None,
     cache: bool = True,
     dynamic_shapes: Any = None,
+    strict: bool = False,
 ) -> CompiledModule:
     """Compile ``module`` for inputs shaped like ``args``/``kwargs``; returns a callable like the module.
 
@@ -65,6 +66,10 @@ def compile(  # mirrors torch.compile
     keeps those sizes symbolic: one capture serves every size in range, each new binding of the
     sizes compiled on first use (``sextant/runtime/specialize.py``, docs/dynamic-shapes.md) — with
     the cache on, one cache entry per binding, so a later process loads the sizes it has seen.
+    An ATen op (or ``torch.library`` custom op) with no lowering runs as an *extern call*: the op
+    itself, called on the host between sextant's kernels (listed in the schedule dump, ``sextant
+    explain`` and the report); ``strict=True`` refuses such a model instead (``UnsupportedOpError``
+    naming each op and its source line), for users who want generated code only.
     """
     if not isinstance(args, tuple):
         args = (args,)
@@ -74,7 +79,8 @@ def compile(  # mirrors torch.compile
     from sextant.runtime import compile_cache
 
     k = None
-    if cache and not print_after_all and target in compile_cache.CACHED_TARGETS and compile_cache.cache_root():
+    if (cache and not print_after_all and not strict and target in compile_cache.CACHED_TARGETS
+            and compile_cache.cache_root()):  # strict: the capture must run to refuse extern calls
         with _steps(progress)("cache"):
             k = compile_cache.key(module, args, kwargs, target, arch, pipeline)
             if k and dynamic_shapes is not None:  # the capture runs; each binding is an entry of its own
@@ -84,7 +90,7 @@ def compile(  # mirrors torch.compile
             return hit
     with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
         compiled = _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress,
-                            dynamic_shapes, k if dynamic_shapes is not None else None)
+                            dynamic_shapes, k if dynamic_shapes is not None else None, strict)
     if k and dynamic_shapes is None:
         compile_cache.store(k, compiled)
     return compiled
@@ -124,10 +130,11 @@ def default_target(args: tuple, kwargs: Mapping[str, Any] | None = None) -> str:
 
 def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, target: str,
              arch: str | None, pipeline: str | Sequence[str], print_after_all: bool, stream: TextIO,
-             progress: StageHook | None, dynamic_shapes: Any = None, cache_key: str | None = None) -> CompiledModule:
+             progress: StageHook | None, dynamic_shapes: Any = None, cache_key: str | None = None,
+             strict: bool = False) -> CompiledModule:
     step = _steps(progress)
     with step("capture"):
-        captured = capture(module, args, kwargs, dynamic_shapes=dynamic_shapes)
+        captured = capture(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
     return compile_graph(captured, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
                          stream=stream, progress=step, cache_key=cache_key)
 

@@ -63,7 +63,7 @@ from sextant.kernel.ir import Kernel
 from sextant.kernel.serialize import KernelSerializeError, kernels_from_json, kernels_to_json
 from sextant.kernel.verifier import KernelVerificationError, verify_kernel
 from sextant.runtime.compiled import CompiledModule
-from sextant.schedule.program import BufferInfo, Launch, Program
+from sextant.schedule.program import BufferInfo, ExternCall, Launch, Program
 from sextant.schedule.target import TargetDesc
 
 log = logging.getLogger("sextant.artifact")
@@ -186,9 +186,7 @@ def save(compiled: CompiledModule, path: str | Path) -> Path:
         "params": param_keys,
         "buffers": [_buffer_json(b, names, buffer_keys.get(b.index)) for b in program.buffers],
         "kernels": [_kernel_summary(k, resources.get(k.name)) for k in program.kernels.values()],
-        "launches": [{"kernel": la.kernel, "group": la.group, "args": list(la.args), "blocks": la.blocks,
-                      "grid": list(program.kernels[la.kernel].grid),
-                      "block": list(program.kernels[la.kernel].block)} for la in program.launches],
+        "launches": [_launch_json(la, program) for la in program.launches],
         "outputs": [{"buffer": b, "shape": list(program.buffers[b].node.shape),
                      "dtype": program.buffers[b].node.dtype.value} for b in program.outputs],
         "arena_bytes": program.arena_bytes,
@@ -620,8 +618,26 @@ def _buffer_from_json(i: int, bj: dict[str, Any], nodes: dict[str, Node], arena:
     return BufferInfo(i, bj["kind"], node, offset)
 
 
+def _launch_json(la: Launch, program: Any) -> dict[str, Any]:
+    """A launch in the manifest; an extern call names its op and arguments instead of a grid."""
+    if la.extern is not None:
+        c = la.extern
+        return {"kernel": la.kernel, "group": la.group, "args": list(la.args), "blocks": la.blocks,
+                "extern": {"fn": c.fn, "args": c.args, "kwargs": c.kwargs, "results": list(c.results), "loc": c.loc}}
+    k = program.kernels[la.kernel]
+    return {"kernel": la.kernel, "group": la.group, "args": list(la.args), "blocks": la.blocks,
+            "grid": list(k.grid), "block": list(k.block)}
+
+
 def _launch_from_json(li: int, lj: dict[str, Any], kernels: dict[str, Kernel], buffers: list[BufferInfo]) -> Launch:
     name = lj["kernel"]
+    if (ej := lj.get("extern")) is not None:
+        args = tuple(int(a) for a in lj["args"])
+        if any(not 0 <= a < len(buffers) for a in args) or len(ej["results"]) > len(args):
+            raise ArtifactError(f"{MANIFEST}: extern launch {li} ({ej.get('fn')}) names buffers that do not exist")
+        call = ExternCall(str(ej["fn"]), str(ej["args"]), str(ej["kwargs"]), tuple(int(r) for r in ej["results"]),
+                          ej.get("loc"))
+        return Launch(name, int(lj["group"]), args, 1, call)
     k = kernels.get(name)
     if k is None:
         raise ArtifactError(f"{MANIFEST}: launch {li} refers to kernel {name!r}, which {KERNELS_FILE} does not "

@@ -44,7 +44,8 @@ import torch
 
 from sextant.errors import SextantError
 from sextant.runtime.cuda_graph import PER_CALL_KINDS, LaunchSpec, ParamBlock, plan
-from sextant.schedule.program import Program
+from sextant.runtime.extern import run_extern
+from sextant.schedule.program import Launch, Program
 
 ALIGN = 16  # bytes; every kernel parameter must be this aligned (the PTX uses 128-bit accesses)
 SIM_HINT = "target='cuda-sim' runs the same GPU kernels on the CPU"
@@ -210,6 +211,11 @@ class CudaRunner:
             if self.device.index is None:  # "cuda" means torch's current device; inputs are compared by index
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.use_graph = _env_flag("SEXTANT_CUDA_GRAPHS", True) if use_graph is None else use_graph
+        # extern calls run on the host between kernels, on torch's stream: such a program is launched
+        # kernel by kernel (one CUDA graph per run of kernels between calls is not built yet)
+        self.externs = sum(la.extern is not None for la in program.launches)
+        if self.externs:
+            self.use_graph = False
         self.sync_each_launch = (_env_flag("SEXTANT_CUDA_SYNC", False) if sync_each_launch is None
                                  else sync_each_launch)
         self._lock = threading.Lock()
@@ -236,6 +242,8 @@ class CudaRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # uploads done before any stream uses them
         self._fixed = self._fixed_addresses()
+        self._extern_temps = self._arena_views({b for la in program.launches if la.extern is not None
+                                                for b in la.args if program.buffers[b].kind == "temp"})
         # buffers' addresses, then the kernel's sizes (an i32 parameter reads the low 4 bytes of its
         # 8-byte slot: little-endian, as every CUDA host is)
         self._blocks = [ParamBlock([self._fixed.get(b, 0) for b in s.args] +
@@ -294,6 +302,15 @@ class CudaRunner:
                 raise CudaError(f"buffer {i} ({self.program.buffers[i].kind}) is at {a:#x}, not {ALIGN}-byte aligned")
         return out
 
+    def _arena_views(self, buffers: set[int]) -> dict[int, torch.Tensor]:
+        """Tensors over the arena for the temporaries ``buffers`` (what an extern call reads and writes)."""
+        out = {}
+        for b in sorted(buffers):
+            info = self.program.buffers[b]
+            raw = self.arena[info.offset:info.offset + info.nbytes]
+            out[b] = raw.view(info.node.dtype.torch).view(info.node.shape)
+        return out
+
     # -- a call ---------------------------------------------------------------------------------
     def _tensors(self, inputs: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
         """Every buffer's tensor for one call (inputs, fresh outputs, weights) and the per-call addresses."""
@@ -323,18 +340,27 @@ class CudaRunner:
         launch is issued ``repeats`` times back to back between two CUDA events (so a launch costs
         what it costs on the GPU, without the host's launch overhead between kernels)."""
         with self._call(inputs) as (stream, tensors, addresses):
-            self._run_launches(addresses, stream)
+            self._run_launches(addresses, stream, tensors)
             handle, out = self._stream_handle(stream), []
-            for s, block in zip(self.plan.launches, self._blocks):
+            for step in self._steps():
                 start, end = _Timer(self.device), _Timer(self.device)
                 start.record()
                 for _ in range(repeats):
-                    self._drv("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, self._shared[s.kernel],
-                              handle, block.address, 0, what=_describe(s))
+                    if isinstance(step, LaunchSpec):
+                        self._drv("cuLaunchKernel", self._functions[step.kernel], *step.grid, *step.block,
+                                  self._shared[step.kernel], handle, self._blocks[step.index].address, 0,
+                                  what=_describe(step))
+                    else:
+                        run_extern(self.program, step, {**tensors, **self._extern_temps}, self.device)
                 end.record()
                 out.append(start.seconds_to(end) / repeats)
             del tensors
         return out
+
+    def _steps(self) -> list[LaunchSpec | Launch]:
+        """The program's launches in order: a kernel's spec, or the launch of an extern call."""
+        specs = iter(self.plan.launches)
+        return [la if la.extern is not None else next(specs) for la in self.program.launches]
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         p = self.program
@@ -342,7 +368,7 @@ class CudaRunner:
             if self.use_graph and self.plan.launches:
                 self._run_graph(addresses, stream)
             else:
-                self._run_launches(addresses, stream)
+                self._run_launches(addresses, stream, tensors)
             self.stats["calls"] += 1
         # an output that is an input or a weight is returned as a copy, as the module would
         return [tensors[i] if p.buffers[i].kind == "output" else tensors[i].clone() for i in p.outputs]
@@ -375,10 +401,14 @@ class CudaRunner:
             self._bound[b] = addresses[b]
         return self.plan.affected(changed)
 
-    def _run_launches(self, addresses: dict[int, int], stream: int) -> None:
+    def _run_launches(self, addresses: dict[int, int], stream: int, tensors: dict[int, torch.Tensor]) -> None:
         self._rebind(addresses)
         d, handle = self._drv, self._stream_handle(stream)
-        for s, block in zip(self.plan.launches, self._blocks):
+        for s in self._steps():
+            if not isinstance(s, LaunchSpec):  # an extern call: torch's op, on torch's (this) stream
+                run_extern(self.program, s, {**tensors, **self._extern_temps}, self.device)
+                continue
+            block = self._blocks[s.index]
             d("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, self._shared[s.kernel], handle,
               block.address, 0,
               what=_describe(s))
@@ -528,4 +558,4 @@ class _Timer:
 
 
 def _describe(s: LaunchSpec) -> str:
-    return f"kernel {s.kernel} (launch {s.index}, grid {s.grid}, block {s.block})"
+    return f"kernel {s.kernel} (launch {s.launch}, grid {s.grid}, block {s.block})"

@@ -40,13 +40,14 @@ class PlanError(SextantError, ValueError):
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    index: int
+    index: int  # position among the kernel launches (an extern call is not one)
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     args: tuple[int, ...]  # buffer index of each kernel parameter, in parameter order
     reads: frozenset[int]  # buffer indices
     writes: frozenset[int]
+    launch: int = -1  # index into Program.launches
 
 
 @dataclass(frozen=True)
@@ -61,17 +62,20 @@ class LaunchPlan:
 
 
 def launch_specs(program: Program) -> list[LaunchSpec]:
-    """One spec per launch, checked against its kernel's parameters and grid."""
+    """One spec per kernel launch (extern calls are the runner's), checked against its kernel's
+    parameters and grid."""
     specs = []
     for li, launch in enumerate(program.launches):
+        if launch.extern is not None:
+            continue
         kernel = program.kernels.get(launch.kernel)
         if kernel is None:
             raise PlanError(f"launch {li} names kernel {launch.kernel!r}, which the program does not have")
         _check_launch(li, launch.args, launch.blocks, kernel, program)
         reads = {a for a, p in zip(launch.args, kernel.params) if p.role in ("in", "inout")}
         writes = {a for a, p in zip(launch.args, kernel.params) if p.role in ("out", "inout")}
-        specs.append(LaunchSpec(li, kernel.name, kernel.grid, kernel.block, tuple(launch.args),
-                                frozenset(reads), frozenset(writes)))
+        specs.append(LaunchSpec(len(specs), kernel.name, kernel.grid, kernel.block, tuple(launch.args),
+                                frozenset(reads), frozenset(writes), li))
     return specs
 
 

@@ -466,3 +466,36 @@ def test_symbolic_sizes_one_module_every_binding(use_graph: bool) -> None:
     assert last[len(some.params):] == [{"batch": 3, "seq": 17}[z.name] for z in some.sizes]
     runner.close()
     assert fake.retained == 0
+
+
+class _Router(torch.nn.Module):
+    """A Linear, then topk and sort (extern calls on the host, between kernels), then kernels again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x).softmax(-1)
+        weights, experts = torch.topk(logits, 2, dim=-1)
+        ranked = torch.sort(logits.t(), dim=-1).values
+        return weights.sum(-1) * 3 + experts.float().mean(-1) + ranked[:, 0].sum()
+
+
+def test_extern_calls_run_between_kernels_on_the_gpu_path() -> None:
+    """target="cuda" with extern calls: launched kernel by kernel, each call on torch's stream with
+    the arena's temporaries as tensors; a graph is not built (the runner says so)."""
+    model = _Router().eval()
+    x = torch.randn(12, 16)
+    program = schedule(run_pipeline(capture(model, (x,))), sm90_target())
+    assert sum(la.extern is not None for la in program.launches) == 2
+    kernels = list(program.kernels.values())
+    fake = FakeDriver(program, compile_kernels(kernels))
+    runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90").ptx, arch="sm_90", device="cpu", driver=fake)
+    assert not runner.use_graph and runner.externs == 2
+    compiled = CompiledModule(program.graph, "cuda", runner, device="cpu")
+    for _ in range(3):
+        x = torch.randn(12, 16)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert "cuGraphCreate" not in fake.calls and fake.calls.count("cuLaunchKernel") == 3 * sum(la.extern is None for la in program.launches)
+    assert len(runner.profile([x], repeats=2)) == len(program.launches)

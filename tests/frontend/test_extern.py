@@ -1,0 +1,124 @@
+"""Ops with no lowering run as extern calls: captured, printed, scheduled as barriers, run on every target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sextant
+from sextant.graph.parser import parse_graph
+from sextant.graph.reference import run_graph
+from sextant.runtime.extern import ExternCallError
+
+
+@torch.library.custom_op("sextant_test::row_scale", mutates_args=())
+def row_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """A custom op with only a CPU kernel: each row scaled by its position plus ``factor``."""
+    if x.device.type != "cpu":
+        raise NotImplementedError("row_scale has a CPU kernel only")
+    return x * (torch.arange(x.shape[0], dtype=x.dtype)[:, None] + factor)
+
+
+@row_scale.register_fake
+def _(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class TopK(nn.Module):
+    """A router's shape: a Linear, topk over the experts, sort, a cumulative op; kernels around each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x).softmax(-1)
+        weights, experts = torch.topk(logits, 2, dim=-1)
+        order = torch.sort(logits.t(), dim=-1, descending=True).values  # a permuted operand: stored first
+        mixed = weights.sum(-1) * 3 + experts.float().mean(-1) + order[:, 0].sum()
+        return mixed, torch.cummax(x, 0).values + 1
+
+
+class Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.ops.sextant_test.row_scale(self.fc(x).relu(), 0.5)
+        return self.fc(h) + x
+
+
+MODELS = {"topk": TopK, "custom": Custom}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("target", ["reference", "cpu", "cuda-sim"])
+def test_extern_ops_match_eager(name: str, target: str) -> None:
+    model = MODELS[name]().eval()
+    compiled = sextant.compile(model, (torch.randn(12, 16),), target=target, cache=False)
+    assert "extern" in compiled.graph.op_counts()
+    for _ in range(2):  # fresh inputs each call
+        x = torch.randn(12, 16)
+        with torch.no_grad():
+            expected = model(x)
+        got = compiled(x)
+        for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple)
+                        else (expected,)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_extern_node_text_round_trips_and_runs() -> None:
+    model, x = TopK().eval(), torch.randn(5, 16)
+    graph = sextant.capture(model, (x,))
+    text = str(graph)
+    assert 'extern(' in text and 'fn="aten.topk.default"' in text and "result=1" in text
+    again = parse_graph(text, graph.params)
+    assert str(again) == text
+    for got, want in zip(run_graph(again, [x]), model(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_multi_result_op_is_one_call_in_the_schedule() -> None:
+    compiled = sextant.compile(TopK().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
+    program = compiled.stages["program"]
+    calls = [la.extern.fn for la in program.launches if la.extern is not None]
+    assert sorted(calls) == ["aten.cummax.default", "aten.sort.default", "aten.topk.default"]
+    topk = next(la for la in program.launches if la.extern is not None and la.extern.fn == "aten.topk.default")
+    assert topk.extern.results == (0, 1)  # values and indices from one call
+    dump = program.describe()
+    assert "3 extern calls" in dump and "host call" in dump and "[aten.topk.default]" in dump
+    assert "test_extern.py:" in dump  # the source line of each call
+
+
+def test_strict_keeps_the_refusal() -> None:
+    with pytest.raises(sextant.UnsupportedOpError) as info:
+        sextant.compile(TopK().eval(), (torch.randn(4, 16),), target="cpu", strict=True, cache=False)
+    assert "aten.topk.default" in str(info.value) and "aten.sort.default" in str(info.value)
+
+
+class NonZero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x > 0).float().sum() + x  # output size depends on the data
+
+
+def test_data_dependent_output_size_is_a_clear_error() -> None:
+    with pytest.raises((sextant.UnsupportedOpError, sextant.ExportError)) as info:
+        sextant.capture(NonZero(), (torch.randn(6),))
+    msg = str(info.value)
+    assert "nonzero" in msg
+    if isinstance(info.value, sextant.UnsupportedOpError):
+        assert "data-dependent" in msg and "test_extern.py:" in msg
+
+
+def test_an_extern_result_unlike_the_recorded_one_names_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sextant.graph.extern as extern
+
+    compiled = sextant.compile(Custom().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
+    monkeypatch.setattr(extern, "call_extern", lambda *a, **k: [torch.zeros(3)])
+    import sextant.runtime.extern as runtime_extern
+
+    monkeypatch.setattr(runtime_extern, "call_extern", lambda *a, **k: [torch.zeros(3)])
+    with pytest.raises(ExternCallError, match=r"sextant_test.row_scale.default.*test_extern.py:\d+.*recorded"):
+        compiled(torch.randn(12, 16))
