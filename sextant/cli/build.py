@@ -92,7 +92,7 @@ def check_ptxas() -> None:
 
 
 def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline: str | Sequence[str] = "default",
-          progress: Progress | None = None, need_gpu: bool = False) -> Build:
+          progress: Progress | None = None, need_gpu: bool = False, strict: bool = False) -> Build:
     """Compile ``model`` for ``target``. Without a GPU, ``cuda`` is compiled as ``cuda-sim`` (noted),
     unless ``need_gpu`` (the caller wants to run on the GPU): then a :class:`CliError` says so.
     ``arch`` None: sm_90 for cuda-sim, the GPU's own for cuda."""
@@ -123,7 +123,7 @@ def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline:
                                         pipeline=pipeline, progress=progress.stage)
     else:
         compiled = sextant.compile(model.module, model.args, model.kwargs or None, target=compile_target,
-                                   arch=arch, pipeline=pipeline, progress=progress.stage,
+                                   arch=arch, pipeline=pipeline, progress=progress.stage, strict=strict,
                                    cache=False)  # the CLI shows every stage: it needs the capture's
     seconds = time.perf_counter() - t0
     progress.note(f"compiled in {seconds:.2f} s")

@@ -105,10 +105,16 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
     resources = c.stages["ptxas"].kernels if "ptxas" in c.stages else None
     costs, estimates, cost_note = _costs(build, gpu)
     counted, count_note = _counters(build) if counters else (None, "")
-    p(f"\nkernels: {len(program.launches)} launches of {len(program.kernels)} unique kernels, "
+    externs = sum(la.extern is not None for la in program.launches)
+    calls = f" and {externs} extern call(s) on the host" if externs else ""
+    p(f"\nkernels: {len(program.launches) - externs} launches of {len(program.kernels)} unique kernels{calls}, "
       f"planned peak memory {_kib(program.peak_bytes)}")
     for i, launch in enumerate(program.launches):
         g = program.groups[launch.group]
+        if launch.extern is not None:  # the op itself, called between kernels (no lowering in sextant)
+            p(f"  #{i:<2} {launch.kernel:<16} {'extern':<11} host call  [{launch.extern.fn}]")
+            p(f"      from:  {launch.extern.loc or '?'}")
+            continue
         k = program.kernels[launch.kernel]
         if build.is_gpu:
             shape = f"grid {'x'.join(map(str, k.grid))}  block {'x'.join(map(str, k.block))}"

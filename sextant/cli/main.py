@@ -53,6 +53,8 @@ def make_parser() -> argparse.ArgumentParser:
                         help="static shape of an ONNX input with symbolic dimensions (repeatable)")
     common.add_argument("--report", metavar="FILE.html", type=Path, help="also write an HTML report of the compilation")
     common.add_argument("--gpu", default="H100", help="GPU model for roofline estimates (explain, --report)")
+    common.add_argument("--strict", action="store_true",
+                        help="refuse ops with no lowering instead of running them as extern calls")
     common.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and warnings")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -185,7 +187,8 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _check_gpu_name(ns.gpu)
     progress = Progress(err, enabled=not ns.quiet)
     model = load_model(ns.model, parse_input_shapes(ns.input_shape))
-    b = build(model, ns.target, arch=ns.arch, pipeline=pipeline, progress=progress, need_gpu=ns.command == "run")
+    b = build(model, ns.target, arch=ns.arch, pipeline=pipeline, progress=progress, need_gpu=ns.command == "run",
+              strict=ns.strict)
     code = COMMANDS[ns.command](ns, b, out)
     if ns.report is not None:
         _write_report(b, ns.report, ns.gpu, out)

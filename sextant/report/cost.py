@@ -73,7 +73,7 @@ def node_flops(n: Node) -> int:
         return n.inputs[0].type.numel - n.type.numel
     if n.op in UNARY or n.op in BINARY or n.op == "where":
         return n.type.numel
-    if n.op in FREE_OPS:
+    if n.op in FREE_OPS or n.op == "extern":  # an extern op's work is not modelled: its bytes are counted
         return 0
     raise ValueError(f"cost model: no FLOP rule for op {n.op!r}")
 
@@ -157,7 +157,7 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
     compute_dtype = group.anchor.inputs[0].dtype if group.kind in ("matmul", "conv") else group.anchor.dtype
     return LaunchCost(index, launch.kernel, group.kind, compute_dtype, sum(by_op.values()), transcendentals,
                       bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
-                      "tensor-core" in program.kernels[launch.kernel].meta.get("mapping", ""))
+                      launch.extern is None and "tensor-core" in program.kernels[launch.kernel].meta.get("mapping", ""))
 
 
 def program_costs(program: Program) -> list[LaunchCost]:

@@ -102,7 +102,7 @@ class _Report:
             '<a href="#sources">Source lines</a><a href="#kernels">Kernels</a><a href="#graph-ir">Graph IR</a>'
             '<button type=button data-details=open>expand all</button>'
             '<button type=button data-details=close>collapse all</button></nav>',
-            "<main>", self.summary(), self.roofline(), self.graph(), self.sources(), self.kernels(),
+            "<main>", self.summary(), self.roofline(), self.graph(), self.sources(), self.externs(), self.kernels(),
             self.graph_ir(), "</main>",
         ])
         return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -190,6 +190,27 @@ class _Report:
         return ('<section id="sources"><h2>Source lines → kernels</h2><p class="note">Every line of the model\'s '
                 "Python source that produced an op, and the launches that compute those ops.</p>"
                 + _table(("line", "code", "launches (ops)"), rows) + "</section>")
+
+    def externs(self) -> str:
+        """The ops sextant calls as themselves between its kernels (no lowering): op, line, buffers."""
+        p = self.program
+        rows = []
+        for li, launch in enumerate(p.launches):
+            if (call := launch.extern) is None:
+                continue
+            src = source_line(call.loc) if call.loc else None
+            types = lambda bs: ", ".join(str(p.buffers[b].node.type) for b in bs)
+            rows.append((f'<span id="launch-{li}" class="mono">#{li} {esc(launch.kernel)}</span>',
+                         f"<code>{esc(call.fn)}</code>", f'<span class="mono">{esc(call.loc or "?")}</span>',
+                         f"<code>{esc(src.code if src else '')}</code>",
+                         f"<code>{esc(types(launch.args[:call.operands]))} → "
+                         f"{esc(types(launch.args[call.operands:]))}</code>"))
+        if not rows:
+            return ""
+        return ('<section id="externs"><h2>Extern calls</h2><p class="note">Ops with no lowering in sextant, '
+                "called as themselves on the host between kernels (fusion barriers; their work is not in the "
+                "roofline). <code>strict=True</code> refuses them instead.</p>"
+                + _table(("launch", "op", "line", "code", "operands → results"), rows) + "</section>")
 
     def kernels(self) -> str:
         parts = ['<section id="kernels"><h2>Kernels</h2>']

@@ -14,9 +14,18 @@ class Sorts(nn.Module):
         return z + x.cummax(0).values
 
 
-def test_all_unsupported_ops_reported_at_once() -> None:
+def test_what_cannot_be_an_extern_call_is_still_refused() -> None:
+    """sort and cummax run as extern calls; the FFT's complex result cannot live in a buffer."""
     with pytest.raises(sextant.UnsupportedOpError) as info:
         sextant.capture(Sorts(), (torch.randn(8),))
+    msg = str(info.value)
+    assert "aten._fft_r2c.default" in msg and "complex" in msg and "test_errors.py:" in msg
+    assert "aten.sort.default" not in msg and "aten.cummax.default" not in msg
+
+
+def test_all_unsupported_ops_reported_at_once() -> None:
+    with pytest.raises(sextant.UnsupportedOpError) as info:
+        sextant.capture(Sorts(), (torch.randn(8),), strict=True)
     msg = str(info.value)
     for op in ("aten.sort.default", "aten._fft_r2c.default", "aten.cummax.default"):
         assert op in msg

@@ -122,3 +122,12 @@ def test_an_extern_result_unlike_the_recorded_one_names_the_op(monkeypatch: pyte
     monkeypatch.setattr(runtime_extern, "call_extern", lambda *a, **k: [torch.zeros(3)])
     with pytest.raises(ExternCallError, match=r"sextant_test.row_scale.default.*test_extern.py:\d+.*recorded"):
         compiled(torch.randn(12, 16))
+
+
+def test_the_report_lists_extern_calls() -> None:
+    from sextant.report.html import render_report
+
+    compiled = sextant.compile(TopK().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
+    page = render_report(compiled)
+    assert '<section id="externs">' in page and "aten.sort.default" in page
+    assert "torch.topk(logits, 2, dim=-1)" in page  # the source line's code
