@@ -118,7 +118,8 @@ def run_ops(names: list[str], jobs: int) -> Iterator[OpResult]:
 def summary_line(results: list[OpResult]) -> str:
     ran = [r for r in results if r.skip is None]
     return (f"opinfo: {sum(r.ok for r in results)} ops, "
-            f"{sum(r.passed for r in ran)}/{sum(r.tried for r in ran)} samples")
+            f"{sum(r.passed for r in ran)}/{sum(r.tried for r in ran)} samples; "
+            f"{sum(r.extern_only for r in results)} more ops only as extern calls")
 
 
 # Why an ATen op has no lowering, where it is not just "not written yet".
@@ -173,6 +174,8 @@ def reason_group(r: OpResult) -> str:
     """One line naming why an op does not fully pass (for grouping in the report)."""
     if r.skip is not None:
         return r.skip
+    if r.extern_only:
+        return "no lowering: passes as an extern call (the ATen op called between kernels)"
     kinds = Counter(f.kind for f in r.failures)
     for kind in (UNSUPPORTED, DTYPE, EXPORT, CRASH, TIMEOUT, LOWERING, ERROR, WRONG):
         if kinds[kind]:
@@ -208,7 +211,7 @@ def format_table(results: list[OpResult]) -> str:
     lines = [f"{'op':<{width}}  {'samples':>7}  status", "-" * (width + 40)]
     for r in results:
         counts = f"{r.passed}/{r.tried}" if r.skip is None else "-"
-        lines.append(f"{r.name:<{width}}  {counts:>7}  {r.status}")
+        lines.append(f"{r.name:<{width}}  {counts:>7}  {r.status_line()}")
     return "\n".join(lines)
 
 

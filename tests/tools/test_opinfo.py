@@ -25,7 +25,7 @@ from sextant.tools import opinfo_check as check
 from sextant.tools import opinfo_coverage as oc
 
 SUPPORTED = Path(oc.__file__).with_name("opinfo_supported.txt").read_text().split()
-LAST_LINE = re.compile(r"^opinfo: (\d+) ops, (\d+)/(\d+) samples$")
+LAST_LINE = re.compile(r"^opinfo: (\d+) ops, (\d+)/(\d+) samples; (\d+) more ops only as extern calls$")
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +60,18 @@ def test_broken_lowering_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r.failures and all(f.kind == check.WRONG for f in r.failures)
 
 
-def test_unsupported_op_is_named() -> None:
-    r = check.run_op("sort", max_samples=2)
-    assert not r.ok and r.failures[0].kind == check.UNSUPPORTED and "aten.sort" in r.failures[0].detail
-    assert oc.reason_group(r) == "needs a sort primitive"
+def test_unsupported_op_is_named_and_tried_as_an_extern_call() -> None:
+    r = check.run_op("cummax", max_samples=2)
+    assert not r.ok and r.failures[0].kind == check.UNSUPPORTED and "aten.cummax" in r.failures[0].detail
+    assert r.extern_only and r.extern_passed == r.tried == 2  # not lowered, but correct as the op itself
+    assert oc.reason_group(r).startswith("no lowering: passes as an extern call")
 
 
 def test_cli(tmp_path: Path) -> None:
     supported, md = tmp_path / "supported.txt", tmp_path / "gaps.md"
     md.write_text(f"intro\n{oc.MD_BEGIN}\nold\n{oc.MD_END}\noutro\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "sextant.tools.opinfo_coverage", "--ops", "abs,sort,nn.functional.relu",
+        [sys.executable, "-m", "sextant.tools.opinfo_coverage", "--ops", "abs,cummax,nn.functional.relu",
          "--jobs", "1", "--write-supported", str(supported), "--markdown", str(md)],
         capture_output=True, text=True, timeout=300, check=False,
     )
@@ -78,9 +79,9 @@ def test_cli(tmp_path: Path) -> None:
     lines = proc.stdout.strip().splitlines()
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-1]
-    assert int(m[1]) == 2 and int(m[2]) < int(m[3])
-    assert any(line.startswith("sort ") and "aten.sort" in line for line in lines)
+    assert int(m[1]) == 2 and int(m[2]) < int(m[3]) and int(m[4]) == 1
+    assert any(line.startswith("cummax ") and "aten.cummax" in line and "extern call" in line for line in lines)
     assert supported.read_text().split() == ["abs", "nn.functional.relu"]
     text = md.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
-    assert "needs a sort primitive" in text and "`sort`" in text
+    assert "passes as an extern call" in text and "`cummax`" in text
