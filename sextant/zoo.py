@@ -199,6 +199,26 @@ def levit() -> tuple[nn.Module, tuple]:
     return _Logits(model, "last_hidden_state"), (torch.randn(2, 3, 64, 64),)
 
 
+def mixtral() -> tuple[nn.Module, tuple]:
+    """Mixture of experts: a top-2 router over 4 experts (topk, sort by expert, histc, grouped GEMMs)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    _seed()
+    cfg = MixtralConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128)
+    return _Logits(MixtralForCausalLM(cfg).eval(), "logits", use_cache=False), (_ids(1000),)
+
+
+def qwen_moe() -> tuple[nn.Module, tuple]:
+    """Mixture of experts with a shared expert and its sigmoid gate (Qwen2-MoE): top-4 of 8 experts."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    _seed()
+    cfg = Qwen2MoeConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=4, max_position_embeddings=128)
+    return _Logits(Qwen2MoeForCausalLM(cfg).eval(), "logits", use_cache=False), (_ids(1000),)
+
+
 ZOO: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "llama": llama,
     "gpt2-sdpa": gpt2_sdpa,
@@ -215,4 +235,6 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, tuple]]] = {
     "levit": levit,
     "resnet50": resnet50,
     "unet2d": unet2d,
+    "mixtral": mixtral,
+    "qwen-moe": qwen_moe,
 }

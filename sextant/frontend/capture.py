@@ -14,7 +14,7 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from sextant.errors import ExportError, UnsupportedOp, UnsupportedOpError
 from sextant.frontend.extern_calls import NotExtern, extern_refusal, lower_extern
-from sextant.frontend.lowerings import KEPT_WHOLE, LOWERINGS, LoweringContext, Unsupported
+from sextant.frontend.lowerings import KEPT_WHOLE, LoweringContext, NoNativeForm, Unsupported, lowering_for
 from sextant.frontend.source import module_path, short_loc, user_frame
 from sextant.frontend.symbols import TorchSymbols, declared_names
 from sextant.graph.builder import GraphBuilder
@@ -77,7 +77,7 @@ def find_unsupported(ep: ExportedProgram, strict: bool = True) -> list[Unsupport
     ``strict``, only those that cannot run as extern calls either (with the reason)."""
     items = []
     for node in ep.graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem and node.target not in LOWERINGS:
+        if node.op == "call_function" and node.target is not operator.getitem and lowering_for(node.target) is None:
             why = None if strict else extern_refusal(node)
             if strict or why is not None:
                 items.append(_unsupported(node, why or ""))
@@ -103,7 +103,7 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
     An op with no lowering becomes an ``extern`` call (``frontend/extern_calls.py``) unless ``strict``."""
     problems = find_unsupported(ep, strict)
     for node in ep.graph.nodes:
-        if node.op == "placeholder" or (node.op == "call_function" and node.target in LOWERINGS):
+        if node.op == "placeholder" or (node.op == "call_function" and lowering_for(node.target) is not None):
             problems += _check_dtype(node, node.meta.get("val"))
     if problems:
         raise UnsupportedOpError(problems)
@@ -142,9 +142,14 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
             continue
         b.loc = short_loc(node)
         try:
-            if node.target in LOWERINGS:
-                env[node.name] = LOWERINGS[node.target](LoweringContext(b, node, syms.dim), *args, **kwargs)
-            else:
+            try:
+                lowering = lowering_for(node.target)
+                if lowering is None:
+                    raise NoNativeForm("no lowering")
+                env[node.name] = lowering(LoweringContext(b, node, syms.dim), *args, **kwargs)
+            except NoNativeForm:
+                if strict:
+                    raise
                 env[node.name] = lower_extern(LoweringContext(b, node, syms.dim), args, kwargs)
         except (Unsupported, NotExtern) as e:
             raise UnsupportedOpError([_unsupported(node, str(e))]) from None

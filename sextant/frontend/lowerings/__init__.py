@@ -3,6 +3,7 @@
 from sextant.frontend.lowerings import (  # noqa: F401
     attention,
     elementwise,
+    moe,
     movement,
     nn,
     reductions,
@@ -12,6 +13,13 @@ from sextant.frontend.lowerings import (  # noqa: F401
     strided,
 )
 from sextant.frontend.lowerings.attention import KEPT_WHOLE
-from sextant.frontend.lowerings.registry import LOWERINGS, LoweringContext, Unsupported, lower
+from sextant.frontend.lowerings.registry import (
+    LOWERINGS,
+    LoweringContext,
+    NoNativeForm,
+    Unsupported,
+    lower,
+    lowering_for,
+)
 
-__all__ = ["KEPT_WHOLE", "LOWERINGS", "LoweringContext", "Unsupported", "lower"]
+__all__ = ["KEPT_WHOLE", "LOWERINGS", "LoweringContext", "NoNativeForm", "Unsupported", "lower", "lowering_for"]

@@ -26,6 +26,36 @@ class Unsupported(Exception):
     """Raised by a lowering for an argument combination it does not handle."""
 
 
+class NoNativeForm(Unsupported):
+    """Raised by a lowering whose native form does not suit these arguments (a sort too long for
+    the rank-count form, say): the op is then called as itself, an extern call (unless ``strict``)."""
+
+
+NAMED_LOWERINGS: dict[str, Lowering] = {}  # "namespace.op.overload" -> lowering, for ops a library registers
+
+
+def lower_named(*names: str) -> Callable[[Lowering], Lowering]:
+    """Register ``fn`` for custom ops named ``namespace.op.overload`` (``torch.library`` ops that exist
+    only once their library is imported, e.g. transformers' ``grouped_mm_fallback``)."""
+
+    def deco(fn: Lowering) -> Lowering:
+        for name in names:
+            NAMED_LOWERINGS[name] = fn
+        return fn
+
+    return deco
+
+
+def lowering_for(target: object) -> Lowering | None:
+    """The lowering of an FX node's target, or None."""
+    fn = LOWERINGS.get(target)  # type: ignore[call-overload]
+    if fn is None and isinstance(target, torch._ops.OpOverload) and NAMED_LOWERINGS:
+        from sextant.graph.extern import op_name
+
+        fn = NAMED_LOWERINGS.get(op_name(target))
+    return fn
+
+
 def lower(*ops: torch._ops.OpOverload) -> Callable[[Lowering], Lowering]:
     """Register ``fn`` as the lowering of each of ``ops`` (explicit overloads only)."""
 
