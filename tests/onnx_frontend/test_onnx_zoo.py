@@ -14,8 +14,9 @@ from sextant.zoo import ZOO
 
 from .models import export
 
-# torch.onnx.export itself fails on these (ConversionError while decomposing for ONNX): not sextant's frontend
-EXPORTER_FAILS = {"swin", "t5"}
+# torch.onnx.export itself fails on these (ConversionError while decomposing for ONNX): not sextant's frontend;
+# the MoE models call transformers' grouped_mm_fallback, a torch.library op with no ONNX translation
+EXPORTER_FAILS = {"swin", "t5", "mixtral", "qwen-moe"}
 
 
 @pytest.mark.slow

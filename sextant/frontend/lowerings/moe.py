@@ -69,12 +69,21 @@ def _topk(ctx: LoweringContext, x: Node, k: int, dim: int = -1, largest: bool = 
     taken: Node | None = None
     current = x
     for _ in range(k):
-        m = b.reduce(fn, current, [axis])
-        hit = b.binary("eq", current, b.expand(m, x.shape))
-        if largest and x.dtype.is_float:  # NaN is the largest value to torch (and wins the max)
-            hit = b.binary("bitwise_or", hit, b.unary("isnan", current))
-        if taken is not None:
-            hit = b.binary("bitwise_and", hit, b.unary("logical_not", taken))
+        free = b.unary("logical_not", taken) if taken is not None else b.full(True, x.shape, DType.bool)
+        if largest or not x.dtype.is_float:
+            m = b.reduce(fn, current, [axis])
+            hit = b.binary("eq", current, b.expand(m, x.shape))
+            if x.dtype.is_float:  # NaN is the largest value to torch (and wins the max)
+                hit = b.binary("bitwise_or", hit, b.unary("isnan", current))
+            hit = b.binary("bitwise_and", hit, free)
+        else:  # the smallest: NaN comes last, once no number is left
+            nan = b.unary("isnan", current)
+            m = b.reduce("min", b.where(nan, b.full(math.inf, x.shape, x.dtype), current), [axis])
+            hit = b.binary("bitwise_and", b.binary("eq", current, b.expand(m, x.shape)), free)
+            found = b.reduce("max", hit, [axis])
+            m = b.where(found, m, b.full(math.nan, m.shape, x.dtype))
+            hit = b.binary("bitwise_or", hit, b.binary("bitwise_and", b.binary("bitwise_and", nan, free),
+                                                        b.unary("logical_not", b.expand(found, x.shape))))
         i = b.reduce("min", b.where(hit, iota, b.full(n, x.shape, DType.i64)), [axis])
         values.append(m)
         indices.append(i)
