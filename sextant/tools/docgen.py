@@ -41,8 +41,8 @@ _BLOCK = re.compile(r"(<!-- sextant:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<
 
 class Unsupported(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ranks = torch.argsort(x, dim=-1)
-        return x.cummax(dim=-1).values + ranks
+        ranks = torch.argsort(x, dim=-1, stable=True)
+        return x.cummax(dim=-1).values + torch.fft.rfft(x).abs().sum() + ranks
 
 
 def _tiny() -> tuple[nn.Module, tuple]:
@@ -100,9 +100,53 @@ def snippet_gpt2_ops() -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def _row_scale_op() -> Callable[..., torch.Tensor]:
+    """A ``torch.library`` custom op with a CPU kernel only, as a user's library would define one."""
+
+    @torch.library.custom_op("sextant_docs::row_scale", mutates_args=())
+    def row_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * (torch.arange(x.shape[0], dtype=x.dtype)[:, None] + factor)
+
+    @row_scale.register_fake
+    def _(x: torch.Tensor, factor: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    return torch.ops.sextant_docs.row_scale
+
+
+class WithExtern(nn.Module):
+    """A custom op and ``cummax``: neither has a lowering, so both run as extern calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _row_scale_op()(self.fc(x).relu(), 0.5)
+        return h.cummax(dim=0).values + x
+
+
+@functools.cache
+def _extern_module() -> sextant.CompiledModule:
+    torch.manual_seed(0)
+    model, x = WithExtern().eval(), torch.randn(8, 16)
+    compiled = sextant.compile(model, (x,), target="cpu", cache=False)
+    torch.testing.assert_close(compiled(x), model(x))
+    return compiled
+
+
+def snippet_extern_graph() -> str:
+    return str(_extern_module().graph)
+
+
+def snippet_extern_schedule() -> str:
+    return _extern_module().stages["program"].describe()
+
+
 def snippet_unsupported_error() -> str:
     try:
-        sextant.capture(Unsupported(), (torch.randn(4, 8),))
+        sextant.capture(Unsupported(), (torch.randn(4, 8),), strict=True)
     except sextant.UnsupportedOpError as e:
         return _relative(str(e))
     raise AssertionError("expected UnsupportedOpError")
@@ -562,6 +606,8 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "gpt2-passes": snippet_gpt2_passes,
     "gpt2-ops": snippet_gpt2_ops,
     "unsupported-error": snippet_unsupported_error,
+    "extern-graph": snippet_extern_graph,
+    "extern-schedule": snippet_extern_schedule,
     "onnx-imported": snippet_onnx_imported,
     "onnx-optimised": snippet_onnx_optimised,
     "onnx-unsupported-error": snippet_onnx_unsupported_error,
