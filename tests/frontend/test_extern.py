@@ -131,3 +131,25 @@ def test_the_report_lists_extern_calls() -> None:
     page = render_report(compiled)
     assert '<section id="externs">' in page and "aten.sort.default" in page
     assert "torch.topk(logits, 2, dim=-1)" in page  # the source line's code
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_extern_call_over_symbolic_sizes(target: str) -> None:
+    """One program for every sequence length: the extern call's buffers take each call's sizes."""
+    from torch.export import Dim
+
+    class Cumulative(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cummax(self.fc(x), dim=1).values * 2
+
+    model = Cumulative().eval()
+    compiled = sextant.compile(model, (torch.randn(2, 10, 8),), target=target, cache=False,
+                               dynamic_shapes={"x": {1: Dim("seq", max=64)}})
+    assert compiled.stages.get("per_binding") is None  # one program, not a compile per size
+    for seq in (1, 17, 64):
+        x = torch.randn(2, seq, 8)
+        torch.testing.assert_close(compiled(x), model(x))
