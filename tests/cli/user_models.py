@@ -15,7 +15,7 @@ class Tiny(nn.Module):
 
 class Sorts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.argsort(x, dim=-1) + 1  # argsort: no lowering in sextant (an extern call, or --strict: refused)
+        return torch.cummax(x, dim=-1).values + 1  # no lowering in sextant: an extern call, or --strict: refused
 
 
 def tiny():
