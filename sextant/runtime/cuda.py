@@ -211,11 +211,9 @@ class CudaRunner:
             if self.device.index is None:  # "cuda" means torch's current device; inputs are compared by index
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.use_graph = _env_flag("SEXTANT_CUDA_GRAPHS", True) if use_graph is None else use_graph
-        # extern calls run on the host between kernels, on torch's stream: such a program is launched
-        # kernel by kernel (one CUDA graph per run of kernels between calls is not built yet)
+        # extern calls run on the host between kernels, on torch's stream: the kernels between two
+        # calls are one CUDA graph each
         self.externs = sum(la.extern is not None for la in program.launches)
-        if self.externs:
-            self.use_graph = False
         self.sync_each_launch = (_env_flag("SEXTANT_CUDA_SYNC", False) if sync_each_launch is None
                                  else sync_each_launch)
         self._lock = threading.Lock()
@@ -250,8 +248,10 @@ class CudaRunner:
                                    [self._sizes[z.name] for z in program.kernels[s.kernel].sizes])
                         for s in self.plan.launches]
         self._bound: dict[int, int] = {}  # per-call buffer -> address its parameter blocks hold now
-        self._graph: Any = None
-        self._exec: Any = None
+        self._graph: list[Any] | None = None  # per segment (a run of kernels, or None for an extern call)
+        self._exec: list[Any] | None = None
+        self._segments: list[Any] = []  # per segment: its kernel launches' indices, or the extern Launch
+        self._segment_of: list[int] = []  # per kernel launch, its segment
         self._exec_bound: dict[int, int] = {}  # per-call buffer -> address the instantiated graph's nodes hold
         self._nodes: list[Any] = []
         self._last_stream: torch.cuda.Stream | None = None
@@ -366,7 +366,7 @@ class CudaRunner:
         p = self.program
         with self._call(inputs) as (stream, tensors, addresses):
             if self.use_graph and self.plan.launches:
-                self._run_graph(addresses, stream)
+                self._run_graph(addresses, stream, tensors)
             else:
                 self._run_launches(addresses, stream, tensors)
             self.stats["calls"] += 1
@@ -416,7 +416,9 @@ class CudaRunner:
             if self.sync_each_launch:
                 d("cuStreamSynchronize", handle, what=f"running {_describe(s)}")
 
-    def _run_graph(self, addresses: dict[int, int], stream: int) -> None:
+    def _run_graph(self, addresses: dict[int, int], stream: int, tensors: dict[int, torch.Tensor]) -> None:
+        """Replay the CUDA graph — one per run of kernels between extern calls, each call made on the
+        same stream between two graph launches (stream order is the dependency across a call)."""
         self._rebind(addresses)
         d = self._drv
         if self._exec is None:
@@ -428,39 +430,64 @@ class CudaRunner:
             try:
                 for li in self.plan.affected(changed):
                     s = self.plan.launches[li]
-                    d("cuGraphExecKernelNodeSetParams", self._exec, self._nodes[li], self._node_params(s),
-                      what=f"updating the graph node of {_describe(s)} with this call's tensors")
+                    d("cuGraphExecKernelNodeSetParams", self._exec[self._segment_of[li]], self._nodes[li],
+                      self._node_params(s), what=f"updating the graph node of {_describe(s)} with this call's tensors")
                     self.stats["node_updates"] += 1
             except CudaError:
                 self._destroy_graph()  # some nodes may hold stale addresses: rebuild on the next call
                 raise
         self._exec_bound = dict(addresses)
         handle = self._stream_handle(stream)
-        d("cuGraphLaunch", self._exec, handle, what=f"launching the CUDA graph of {len(self._nodes)} kernels")
-        if self.sync_each_launch:
-            d("cuStreamSynchronize", handle, what=f"running the CUDA graph of {len(self._nodes)} kernels")
+        for step, exec_ in zip(self._segments, self._exec):
+            if exec_ is None:  # an extern call between two graphs
+                run_extern(self.program, step, {**tensors, **self._extern_temps}, self.device)
+                continue
+            d("cuGraphLaunch", exec_, handle, what=f"launching the CUDA graph of {len(step)} kernels")
+            if self.sync_each_launch:
+                d("cuStreamSynchronize", handle, what=f"running the CUDA graph of {len(step)} kernels")
 
     def _build_graph(self) -> None:
+        """One graph per run of kernel launches between extern calls (one graph when there are none);
+        edges from the launch plan's hazards within a run."""
         d = self._drv
         self._destroy_graph()
-        self._graph = d("cuGraphCreate", 0, what="creating a CUDA graph")
-        self._nodes = []
-        for s, deps in zip(self.plan.launches, self.plan.deps):
-            parents = [self._nodes[j] for j in deps]
-            self._nodes.append(d("cuGraphAddKernelNode", self._graph, parents, len(parents), self._node_params(s),
-                                 what=f"adding {_describe(s)} to the CUDA graph"))
-        # cuda-python 12.x and 13.x: cuGraphInstantiate(hGraph, flags) (CUDA 12 made it the
-        # flags form; 12.x bindings also name it cuGraphInstantiateWithFlags, 13.x no longer do)
-        self._exec = d("cuGraphInstantiate", self._graph, 0, what="instantiating the CUDA graph")
+        segments: list[Any] = []
+        for step in self._steps():
+            if isinstance(step, LaunchSpec):
+                if not segments or not isinstance(segments[-1], list):
+                    segments.append([])
+                segments[-1].append(step.index)
+            else:
+                segments.append(step)
+        self._segments, self._graph, self._exec = segments, [], []
+        self._nodes, self._segment_of = [None] * len(self.plan.launches), [0] * len(self.plan.launches)
+        for k, seg in enumerate(segments):
+            if not isinstance(seg, list):
+                self._graph.append(None)
+                self._exec.append(None)
+                continue
+            graph = d("cuGraphCreate", 0, what="creating a CUDA graph")
+            self._graph.append(graph)
+            for li in seg:
+                s = self.plan.launches[li]
+                parents = [self._nodes[j] for j in self.plan.deps[li] if self._segment_of[j] == k]
+                self._nodes[li] = d("cuGraphAddKernelNode", graph, parents, len(parents), self._node_params(s),
+                                    what=f"adding {_describe(s)} to the CUDA graph")
+                self._segment_of[li] = k
+            # cuda-python 12.x and 13.x: cuGraphInstantiate(hGraph, flags) (CUDA 12 made it the
+            # flags form; 12.x bindings also name it cuGraphInstantiateWithFlags, 13.x no longer do)
+            self._exec.append(d("cuGraphInstantiate", graph, 0, what="instantiating the CUDA graph"))
         self.stats["graph_builds"] += 1
 
     def _destroy_graph(self) -> None:
         for fn, attr in (("cuGraphExecDestroy", "_exec"), ("cuGraphDestroy", "_graph")):
-            handle = getattr(self, attr, None)
-            if handle is not None:
+            handles = getattr(self, attr, None)
+            if handles is not None:
                 setattr(self, attr, None)
-                with contextlib.suppress(Exception):
-                    getattr(self._drv.m, fn)(handle)
+                for handle in handles:
+                    if handle is not None:
+                        with contextlib.suppress(Exception):
+                            getattr(self._drv.m, fn)(handle)
         self._nodes = []
         self._exec_bound = {}
 

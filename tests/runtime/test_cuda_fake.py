@@ -469,7 +469,7 @@ def test_symbolic_sizes_one_module_every_binding(use_graph: bool) -> None:
 
 
 class _Router(torch.nn.Module):
-    """A Linear, then topk and sort (extern calls on the host, between kernels), then kernels again."""
+    """A Linear, then cummax and cummin (extern calls on the host, between kernels), then kernels again."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -477,26 +477,35 @@ class _Router(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x).softmax(-1)
-        weights, experts = torch.topk(logits, 2, dim=-1)
-        ranked = torch.sort(logits.t(), dim=-1).values
-        return weights.sum(-1) * 3 + experts.float().mean(-1) + ranked[:, 0].sum()
+        peak = torch.cummax(logits, dim=-1).values  # no lowering: extern calls
+        low = torch.cummin(logits.t(), dim=-1)
+        return peak.sum(-1) * 3 + low.values[:, 0].sum() + low.indices.float().mean()
 
 
-def test_extern_calls_run_between_kernels_on_the_gpu_path() -> None:
-    """target="cuda" with extern calls: launched kernel by kernel, each call on torch's stream with
-    the arena's temporaries as tensors; a graph is not built (the runner says so)."""
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_extern_calls_run_between_kernels_on_the_gpu_path(use_graph: bool) -> None:
+    """target="cuda" with extern calls: each call on torch's stream with the arena's temporaries as
+    tensors, between kernel launches — or, with graphs, between the CUDA graphs of the kernel runs
+    around it (one graph per run, built once, its nodes updated per call)."""
     model = _Router().eval()
     x = torch.randn(12, 16)
     program = schedule(run_pipeline(capture(model, (x,))), sm90_target())
-    assert sum(la.extern is not None for la in program.launches) == 2
+    order = ["extern" if la.extern is not None else "kernel" for la in program.launches]
+    assert order.count("extern") == 2
+    runs = sum(1 for i, k in enumerate(order) if k == "kernel" and (i == 0 or order[i - 1] == "extern"))
     kernels = list(program.kernels.values())
     fake = FakeDriver(program, compile_kernels(kernels))
-    runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90").ptx, arch="sm_90", device="cpu", driver=fake)
-    assert not runner.use_graph and runner.externs == 2
+    runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90").ptx, arch="sm_90", device="cpu", driver=fake,
+                        use_graph=use_graph)
+    assert runner.externs == 2
     compiled = CompiledModule(program.graph, "cuda", runner, device="cpu")
     for _ in range(3):
         x = torch.randn(12, 16)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    kernel_launches = sum(la.extern is None for la in program.launches)
-    assert "cuGraphCreate" not in fake.calls and fake.calls.count("cuLaunchKernel") == 3 * kernel_launches
+    kernel_launches = order.count("kernel")
+    if use_graph:
+        assert runner.stats["graph_builds"] == 1 and fake.calls.count("cuGraphCreate") == runs
+        assert fake.calls.count("cuGraphLaunch") == 3 * runs and fake.calls.count("cuLaunchKernel") == 0
+    else:
+        assert "cuGraphCreate" not in fake.calls and fake.calls.count("cuLaunchKernel") == 3 * kernel_launches
     assert len(runner.profile([x], repeats=2)) == len(program.launches)
