@@ -25,8 +25,9 @@ def _(x: torch.Tensor, factor: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-class TopK(nn.Module):
-    """A router's shape: a Linear, topk over the experts, sort, a cumulative op; kernels around each."""
+class Ranked(nn.Module):
+    """Ops with no lowering between kernels: kthvalue (two results), cummin over a permuted operand
+    (stored first), cummax of an input."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,9 +35,9 @@ class TopK(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x).softmax(-1)
-        weights, experts = torch.topk(logits, 2, dim=-1)
-        order = torch.sort(logits.t(), dim=-1, descending=True).values  # a permuted operand: stored first
-        mixed = weights.sum(-1) * 3 + experts.float().mean(-1) + order[:, 0].sum()
+        value, index = torch.kthvalue(logits, 2, dim=-1)
+        low = torch.cummin(logits.t(), dim=-1).values  # a permuted operand: stored first
+        mixed = value * 3 + index.float() + low[:, -1].sum()
         return mixed, torch.cummax(x, 0).values + 1
 
 
@@ -50,7 +51,7 @@ class Custom(nn.Module):
         return self.fc(h) + x
 
 
-MODELS = {"topk": TopK, "custom": Custom}
+MODELS = {"ranked": Ranked, "custom": Custom}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -70,10 +71,10 @@ def test_extern_ops_match_eager(name: str, target: str) -> None:
 
 
 def test_extern_node_text_round_trips_and_runs() -> None:
-    model, x = TopK().eval(), torch.randn(5, 16)
+    model, x = Ranked().eval(), torch.randn(5, 16)
     graph = sextant.capture(model, (x,))
     text = str(graph)
-    assert 'extern(' in text and 'fn="aten.topk.default"' in text and "result=1" in text
+    assert 'extern(' in text and 'fn="aten.kthvalue.default"' in text and "result=1" in text
     again = parse_graph(text, graph.params)
     assert str(again) == text
     for got, want in zip(run_graph(again, [x]), model(x)):
@@ -81,21 +82,21 @@ def test_extern_node_text_round_trips_and_runs() -> None:
 
 
 def test_multi_result_op_is_one_call_in_the_schedule() -> None:
-    compiled = sextant.compile(TopK().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
+    compiled = sextant.compile(Ranked().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
     program = compiled.stages["program"]
     calls = [la.extern.fn for la in program.launches if la.extern is not None]
-    assert sorted(calls) == ["aten.cummax.default", "aten.sort.default", "aten.topk.default"]
-    topk = next(la for la in program.launches if la.extern is not None and la.extern.fn == "aten.topk.default")
-    assert topk.extern.results == (0, 1)  # values and indices from one call
+    assert sorted(calls) == ["aten.cummax.default", "aten.cummin.default", "aten.kthvalue.default"]
+    kth = next(la for la in program.launches if la.extern is not None and la.extern.fn == "aten.kthvalue.default")
+    assert kth.extern.results == (0, 1)  # values and indices from one call
     dump = program.describe()
-    assert "3 extern calls" in dump and "host call" in dump and "[aten.topk.default]" in dump
+    assert "3 extern calls" in dump and "host call" in dump and "[aten.kthvalue.default]" in dump
     assert "test_extern.py:" in dump  # the source line of each call
 
 
 def test_strict_keeps_the_refusal() -> None:
     with pytest.raises(sextant.UnsupportedOpError) as info:
-        sextant.compile(TopK().eval(), (torch.randn(4, 16),), target="cpu", strict=True, cache=False)
-    assert "aten.topk.default" in str(info.value) and "aten.sort.default" in str(info.value)
+        sextant.compile(Ranked().eval(), (torch.randn(4, 16),), target="cpu", strict=True, cache=False)
+    assert "aten.kthvalue.default" in str(info.value) and "aten.cummin.default" in str(info.value)
 
 
 class NonZero(nn.Module):
@@ -127,10 +128,10 @@ def test_an_extern_result_unlike_the_recorded_one_names_the_op(monkeypatch: pyte
 def test_the_report_lists_extern_calls() -> None:
     from sextant.report.html import render_report
 
-    compiled = sextant.compile(TopK().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
+    compiled = sextant.compile(Ranked().eval(), (torch.randn(12, 16),), target="cpu", cache=False)
     page = render_report(compiled)
-    assert '<section id="externs">' in page and "aten.sort.default" in page
-    assert "torch.topk(logits, 2, dim=-1)" in page  # the source line's code
+    assert '<section id="externs">' in page and "aten.cummin.default" in page
+    assert "torch.kthvalue(logits, 2, dim=-1)" in page  # the source line's code
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
