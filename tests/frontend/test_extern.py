@@ -154,3 +154,14 @@ def test_extern_call_over_symbolic_sizes(target: str) -> None:
     for seq in (1, 17, 64):
         x = torch.randn(2, seq, 8)
         torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_a_saved_module_keeps_its_extern_calls(target: str, tmp_path) -> None:
+    model = Custom().eval()
+    compiled = sextant.compile(model, (torch.randn(12, 16),), target=target, cache=False)
+    compiled.save(tmp_path / "m")
+    loaded = sextant.load(tmp_path / "m")
+    assert any(la.extern is not None for la in loaded.stages["program"].launches)
+    x = torch.randn(12, 16)
+    torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
