@@ -29,6 +29,10 @@ from __future__ import annotations
 import dataclasses
 
 from sextant.graph.dtypes import DType
+from sextant.kernel.evaluate import Undefined, cast_value, int_binary, int_unary
+from sextant.kernel.facts import Env, Facts, assume, bounds
+from sextant.kernel.flow import Ranges, loop_range
+from sextant.kernel.intervals import CMP_NEGATE, CMP_SWAP, int_range, is_intlike, wrap
 from sextant.kernel.ir import (
     ASYNC_COPY,
     Assign,
@@ -50,23 +54,7 @@ from sextant.kernel.ir import (
     WarpReduce,
     map_operands,
 )
-from sextant.kernel.ranges import (
-    CMP_NEGATE,
-    CMP_SWAP,
-    Env,
-    Facts,
-    Ranges,
-    Undefined,
-    bounds,
-    cast_value,
-    int_binary,
-    int_range,
-    int_unary,
-    is_intlike,
-    loop_range,
-    refine,
-    wrap,
-)
+from sextant.work import WorkCounter
 
 _COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "bitwise_and", "bitwise_or", "bitwise_xor",
                           "eq", "ne"})
@@ -456,55 +444,71 @@ def simplify_expr(expr: Expr, ranges: Env | Facts | None = None) -> Expr:
     return _Simplifier(env).expr(expr)
 
 
-def simplify_kernel(kernel: Kernel) -> Kernel:
+def simplify_kernel(kernel: Kernel, work: WorkCounter | None = None) -> Kernel:
     """``kernel`` with every expression simplified under the facts that hold where it runs,
     decided ``If``s replaced by the branch taken, and loops that never run (or do nothing)
-    removed."""
-    ranges = Ranges.for_kernel(kernel)
+    removed. One walk, linear in the kernel (``work`` counts it: ``"simplify: statements"``
+    and range analysis's items)."""
+    ranges = Ranges.for_kernel(kernel, work)
     body, _ = _block(kernel.body, ranges.entry(), ranges)
     return dataclasses.replace(kernel, body=body, meta=dict(kernel.meta))
 
 
-def _block(stmts: tuple[Stmt, ...], env: Env | None, ranges: Ranges) -> tuple[tuple[Stmt, ...], Env | None]:
+def _block(stmts: tuple[Stmt, ...], env: Env, ranges: Ranges) -> tuple[tuple[Stmt, ...], bool]:
+    """``stmts`` simplified, ``env`` updated to the facts after them; ``False``: the end is
+    unreachable (the statements after the point where that became known are kept as they are)."""
     out: list[Stmt] = []
     for i, s in enumerate(stmts):
-        if env is None:  # unreachable: keep the rest as it is
-            return (*out, *stmts[i:]), None
-        new, env = _stmt(s, env, ranges)
+        new, reachable = _stmt(s, env, ranges)
         out.extend(new)
-    return tuple(out), env
+        if not reachable:
+            return (*out, *stmts[i + 1:]), False
+    return tuple(out), True
 
 
-def _stmt(s: Stmt, env: Env, ranges: Ranges) -> tuple[list[Stmt], Env | None]:
+def _stmt(s: Stmt, env: Env, ranges: Ranges) -> tuple[list[Stmt], bool]:
+    if ranges.work is not None:
+        ranges.work.add("simplify: statements")
     simp = _Simplifier(env).expr
     if isinstance(s, Assign):
         value = simp(s.value)
-        return [Assign(s.var, value)], ranges.assign(env, s.var, value)
+        ranges.assign(env, s.var, value)
+        return [Assign(s.var, value)], True
     if isinstance(s, Store):
-        return [Store(s.buffer, simp(s.index), simp(s.value))], env
+        return [Store(s.buffer, simp(s.index), simp(s.value))], True
     if isinstance(s, WarpReduce):
         new = dataclasses.replace(s, value=simp(s.value))
-        return [new], ranges.step(new, env)
+        ranges.step(new, env)
+        return [new], True
     if isinstance(s, (Barrier, Mma, LdMatrix, *ASYNC_COPY)):
-        return [map_operands(s, simp)], env
+        return [map_operands(s, simp)], True
     if isinstance(s, For):
         loop = dataclasses.replace(s, start=simp(s.start), stop=simp(s.stop))
-        if loop_range(loop, env) is False:
-            return [], env  # no iteration
-        inner = ranges.enter_loop(env, loop)
-        body = _block(loop.body, inner, ranges)[0] if inner is not None else loop.body
-        after = ranges.leave_loop(env, loop)
-        return ([dataclasses.replace(loop, body=body)] if body else []), after
+        if loop_range(loop, env, ranges.assigned(loop)) is False:
+            return [], True  # no iteration
+        runs = ranges.enter_loop(env, loop)
+        body = _block(loop.body, env, ranges)[0] if runs else loop.body
+        ranges.leave_loop(env, loop)
+        return ([dataclasses.replace(loop, body=body)] if body else []), True
     assert isinstance(s, If), s
     cond = simp(s.cond)
-    t_env, f_env = refine(env, cond, True), refine(env, cond, False)
-    if t_env is None or f_env is None:  # decided: only one branch can run
-        return list(_block(s.then if f_env is None else s.orelse, t_env or f_env, ranges)[0]), t_env or f_env
-    then, t_end = _block(s.then, t_env, ranges)
-    orelse, f_end = _block(s.orelse, f_env, ranges)
-    after = ranges.join(t_end, f_end)
+    then_ok, else_ok = ranges.decided(env, cond)
+    if not (then_ok and else_ok):  # decided: only one branch can run (its facts hold after it)
+        if not then_ok and not else_ok:
+            return list(s.then), False
+        assume(env, cond, then_ok)
+        new, reachable = _block(s.then if then_ok else s.orelse, env, ranges)
+        return list(new), reachable
+    negated = _Simplifier(env).unary("logical_not", cond, DType.bool)  # under the facts before the If
+    ranges.enter_branch(env, cond, True)
+    then, t_end = _block(s.then, env, ranges)
+    t_delta = ranges.leave_branch(env, t_end)
+    ranges.enter_branch(env, cond, False)
+    orelse, f_end = _block(s.orelse, env, ranges)
+    f_delta = ranges.leave_branch(env, f_end)
+    reachable = ranges.join(env, t_delta, f_delta)
     if not then and not orelse:
-        return [], after
+        return [], reachable
     if not then:
-        return [If(_Simplifier(env).unary("logical_not", cond, DType.bool), orelse)], after
-    return [If(cond, then, orelse)], after
+        return [If(negated, orelse)], reachable
+    return [If(cond, then, orelse)], reachable

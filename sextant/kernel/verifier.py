@@ -26,13 +26,17 @@ statement it is in. It checks, in order:
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ops import BINARY, UNARY, IRTypeError, TensorType, infer_type
+from sextant.kernel.divergence import UNIFORM, WARP, WARP_UNIFORM, Divergence
+from sextant.kernel.exprs import children, free_names, statement_count
+from sextant.kernel.facts import Env, assume, bounds
+from sextant.kernel.flow import Ranges
 from sextant.kernel.fragments import mma_accumulators, mma_shape
+from sextant.kernel.intervals import int_range
 from sextant.kernel.ir import (
     INDEX,
     Assign,
@@ -62,30 +66,18 @@ from sextant.kernel.ir import (
     stmt_operands,
 )
 from sextant.kernel.printer import print_expr, stmt_header
-from sextant.kernel.ranges import (
-    Compiled,
-    Env,
-    EvalError,
-    Ranges,
-    Unknown,
-    Value,
-    assigned_names,
-    bounds,
-    children,
-    compile_expr,
-    free_names,
-    int_range,
-    refine,
-)
+from sextant.kernel.witness import MAX_WORK, Exec, Witness
+from sextant.work import WorkCounter
 
 DEFAULT_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a block may use
 MAX_THREADS = 1024
 MAX_BLOCK = (1024, 1024, 64)
 MAX_GRID = (2**31 - 1, 65535, 65535)
-WARP = 32
 WARP_OPS = frozenset({"sum", "max", "min", "prod"})
-# how much a value varies between threads: the same in the block, in a warp, or per thread
-UNIFORM, WARP_UNIFORM, THREAD = 0, 1, 2
+# statements a kernel's out-of-bounds witness searches may execute together, per statement of the
+# kernel (beyond one search's MAX_WORK): verification stays linear in the kernel's size
+WITNESS_WORK_PER_STATEMENT = 8
+WITNESS_SEARCHES = 4  # full searches (MAX_WORK each) any kernel may make, whatever its size
 
 
 class KernelVerificationError(ValueError):
@@ -93,12 +85,13 @@ class KernelVerificationError(ValueError):
 
 
 def verify_kernel(kernel: Kernel, *, shared_limit: int = DEFAULT_SHARED_LIMIT,
-                  scalars: Collection[str] = ()) -> None:
+                  scalars: Collection[str] = (), work: WorkCounter | None = None) -> None:
     """Raise :class:`KernelVerificationError` if ``kernel`` is invalid (see the module doc).
 
     ``scalars`` names registers that are defined on entry (scalar kernel arguments). A kernel over
     symbolic sizes is checked at the instances ``kernel/sizes.verification_points`` picks (each one
-    exactly: its bounds proofs need the sizes' values)."""
+    exactly: its bounds proofs need the sizes' values). Every check is linear in the kernel;
+    ``work`` counts what they did (``"verify: ..."`` and range analysis's items)."""
     if kernel.sizes:
         from sextant.graph.symbolic import substitute
         from sextant.kernel.sizes import instantiate, launch_blocks, verification_points
@@ -107,15 +100,15 @@ def verify_kernel(kernel: Kernel, *, shared_limit: int = DEFAULT_SHARED_LIMIT,
             if substitute(launch_blocks(kernel), point) == 0:
                 continue  # an empty launch runs nothing
             try:
-                verify_kernel(instantiate(kernel, point), shared_limit=shared_limit, scalars=scalars)
+                verify_kernel(instantiate(kernel, point), shared_limit=shared_limit, scalars=scalars, work=work)
             except KernelVerificationError as e:
                 at = ", ".join(f"{k}={v}" for k, v in point.items())
                 raise KernelVerificationError(f"{e} (at sizes {at})") from None
         return
-    v = _Verifier(kernel, scalars)
+    v = _Verifier(kernel, scalars, work)
     v.check_launch(shared_limit)
     if not v.errors:
-        v.block(kernel.body, set(scalars), (), ())
+        v.block(kernel.body, (), ())
     if not v.errors:  # range analysis assumes well-typed IR
         v.check_bounds()
     errors = list(dict.fromkeys(v.errors))  # one message per problem, in order
@@ -135,16 +128,24 @@ class _Control:
 
 
 class _Verifier:
-    def __init__(self, kernel: Kernel, scalars: Collection[str]) -> None:
+    def __init__(self, kernel: Kernel, scalars: Collection[str], work: WorkCounter | None = None) -> None:
         self.k = kernel
+        self.work = work
         self.errors: list[str] = []
         self.buffers: dict[str, Buffer] = {}
         self.var_types: dict[str, DType] = {}
-        self.scalars = frozenset(scalars)
-        self.div: _Divergence | None = None
-        self.exec: _Exec | None = None  # compiled statements, shared by the witness searches
-        # searches that found no witness, by the frames enclosing the access: (position, index, size)
-        self.fruitless: dict[tuple, list[tuple[int, Expr, int]]] = {}
+        self.div: Divergence | None = None
+        # registers surely assigned at the statement being checked, and per open branch or loop
+        # body the ones it added (undone when it ends: no copy of the set per branch)
+        self.defined: set[str] = set(scalars)
+        self.added: list[list[str]] = []
+        self.exec: Exec | None = None  # compiled statements, shared by the witness searches
+        self.ranges: Ranges | None = None  # the bounds walk, for the path to an access
+        self.clock = 0  # statements visited by the bounds walk
+        self.written: dict[str, int] = {}  # register -> clock of its last assignment in the walk
+        # searches that found no witness: (enclosing frames, index, elements) -> clock of the search
+        self.fruitless: dict[tuple, int] = {}
+        self.witness_budget = WITNESS_SEARCHES * MAX_WORK + WITNESS_WORK_PER_STATEMENT * statement_count(kernel.body)
 
     def fail(self, where: Stmt | None, msg: str) -> None:
         self.errors.append(f"`{stmt_header(where)}`: {msg}" if where is not None else msg)
@@ -175,18 +176,36 @@ class _Verifier:
             self.fail(None, f"shared buffers use {shared} bytes, more than the limit of {shared_limit}")
 
     # -- statements ------------------------------------------------------------------------
-    def block(self, stmts: tuple[Stmt, ...], defined: set[str], loops: tuple[str, ...],
-              control: tuple[_Control, ...]) -> set[str]:
-        """Check ``stmts``; returns the registers surely assigned after them (``defined``, the
-        registers assigned before, is updated in place: callers pass a set of their own)."""
-        if self.div is None:
-            self.div = _Divergence(self.k)
-        for s in stmts:
-            defined = self.stmt(s, defined, loops, control)
-        return defined
+    def define(self, name: str) -> None:
+        if name not in self.defined:
+            self.defined.add(name)
+            if self.added:
+                self.added[-1].append(name)
 
-    def stmt(self, s: Stmt, defined: set[str], loops: tuple[str, ...], control: tuple[_Control, ...]) -> set[str]:
+    def nested(self, stmts: tuple[Stmt, ...], loops: tuple[str, ...], control: tuple[_Control, ...],
+               var: str | None = None) -> list[str]:
+        """Check a branch or loop body (with loop variable ``var`` defined); returns the registers
+        it surely assigns that were not before, and leaves :attr:`defined` as it was."""
+        self.added.append([])
+        if var is not None:
+            self.define(var)
+        self.block(stmts, loops, control)
+        added = self.added.pop()
+        self.defined.difference_update(added)
+        return added
+
+    def block(self, stmts: tuple[Stmt, ...], loops: tuple[str, ...], control: tuple[_Control, ...]) -> None:
+        """Check ``stmts``, updating :attr:`defined` to the registers surely assigned after them."""
+        if self.div is None:
+            self.div = Divergence(self.k, self.work)
+        for s in stmts:
+            if self.work is not None:
+                self.work.add("verify: statements")
+            self.stmt(s, loops, control)
+
+    def stmt(self, s: Stmt, loops: tuple[str, ...], control: tuple[_Control, ...]) -> None:
         assert self.div is not None
+        defined = self.defined
         if isinstance(s, Assign | WarpReduce):
             self.expr(s.value, s, defined)
             self.declare(s.var, s)
@@ -196,8 +215,8 @@ class _Verifier:
                 self.fail(s, f"assigns a {s.value.dtype.value} value to {s.var.dtype.value} register {s.var.name}")
             if isinstance(s, WarpReduce):
                 self.warp_reduce(s, control)
-            defined.add(s.var.name)  # block() owns the set: no copy per statement
-            return defined
+            self.define(s.var.name)
+            return
         if isinstance(s, Store):
             self.expr(s.index, s, defined)
             self.expr(s.value, s, defined)
@@ -210,17 +229,17 @@ class _Verifier:
                     self.fail(s, f"stores to {s.buffer!r}, an input (role 'in') of the kernel")
                 if s.value.dtype != b.dtype:
                     self.fail(s, f"stores a {s.value.dtype.value} value to {b.dtype.value} buffer {s.buffer!r}")
-            return defined
+            return
         if isinstance(s, Mma | LdMatrix | CpAsync | CpAsyncCommit | CpAsyncWait):
             self.tensor_core(s, defined, control)
-            return defined
+            return
         if isinstance(s, Barrier):
             for c in reversed(control):
                 if c.level > UNIFORM:
                     self.fail(s, f"barrier under thread-dependent control flow: `{c.header}` {c.reason}; "
                                  "threads that skip it would deadlock the block")
                     break
-            return defined
+            return
         if isinstance(s, For):
             self.expr(s.start, s, defined)
             self.expr(s.stop, s, defined)
@@ -232,22 +251,28 @@ class _Verifier:
             if s.var.name in loops:
                 self.fail(s, f"loop variable {s.var.name} shadows an enclosing loop's")
             level, reason = self.div.level_of(s.start, s.stop)
-            inner = self.block(s.body, defined | {s.var.name}, loops + (s.var.name,),
-                               control + (_Control(stmt_header(s), level, f"has bounds that {reason}"),))
+            added = self.nested(s.body, loops + (s.var.name,),
+                                control + (_Control(stmt_header(s), level, f"has bounds that {reason}"),), s.var.name)
             if _surely_runs(s):
-                return (inner - {s.var.name}) | (defined & {s.var.name})
-            return defined
+                for name in added:
+                    if name != s.var.name:
+                        self.define(name)
+            return
         assert isinstance(s, If), f"not a statement: {s!r}"
         self.expr(s.cond, s, defined)
         if s.cond.dtype != DType.bool:
             self.fail(s, f"condition is {s.cond.dtype.value}, not bool")
         level, reason = self.div.level_of(s.cond)
         ctl = control + (_Control(stmt_header(s), level, f"has a condition that {reason}"),)
-        then = self.block(s.then, set(defined), loops, ctl)
-        orelse = self.block(s.orelse, set(defined), loops, ctl)
+        then = self.nested(s.then, loops, ctl)
+        orelse = self.nested(s.orelse, loops, ctl)
         if isinstance(s.cond, Const):
-            return then if s.cond.value else orelse
-        return then & orelse
+            both = then if s.cond.value else orelse
+        else:
+            others = set(orelse)
+            both = [name for name in then if name in others]
+        for name in both:
+            self.define(name)
 
     def warp_reduce(self, s: WarpReduce, control: tuple[_Control, ...]) -> None:
         if s.op not in WARP_OPS:
@@ -390,34 +415,32 @@ class _Verifier:
 
     # -- memory bounds -----------------------------------------------------------------------
     def check_bounds(self) -> None:
-        ranges = Ranges.for_kernel(self.k)
-        self.bounds_block(self.k.body, ranges.entry(), ranges, ())
+        """One walk with range analysis: each access proved in bounds, proved out of bounds, or
+        searched for a witness thread."""
+        self.ranges = ranges = Ranges.for_kernel(self.k, self.work)
+        ranges.walk(self.k.body, ranges.entry(), self.bounds_visit)
 
-    def bounds_block(self, stmts: tuple[Stmt, ...], env: Env | None, ranges: Ranges, path: tuple) -> None:
-        for pos, s in enumerate(stmts):
-            if env is None:
-                return
-            here = path + ((stmts, pos, None),)
-            for e in _stmt_exprs(s):
-                for buf, idx in _accesses(e):
-                    self.access(s, buf, idx, env, here)
-            if isinstance(s, Store):
-                self.access(s, s.buffer, s.index, env, here, store=True)
-            for buf, start, n, store, guard in _ranges_touched(s, self.buffers):
-                benv = refine(env, guard, True) if guard is not None else env
-                if benv is not None:
-                    for idx in (start, add(start, Const(n - 1, INDEX))) if n > 1 else (start,):
-                        if guard is not None:  # as the GPU lowering clamps it: the witness search runs it too
-                            idx = Select(guard, idx, Const(0, INDEX), INDEX)
-                        self.access(s, buf, idx, benv, here, store=store)
-            if isinstance(s, For):
-                self.bounds_block(s.body, ranges.enter_loop(env, s), ranges, here)
-            elif isinstance(s, If):
-                for truth, body in ((True, s.then), (False, s.orelse)):
-                    self.bounds_block(body, refine(env, s.cond, truth), ranges, path + ((stmts, pos, truth),))
-            env = ranges.step(s, env) if not isinstance(s, For | If) else _after(ranges, s, env)
+    def bounds_visit(self, s: Stmt, env: Env) -> None:
+        self.clock += 1
+        for e in _stmt_exprs(s):
+            for buf, idx in _accesses(e):
+                self.access(s, buf, idx, env)
+        if isinstance(s, Store):
+            self.access(s, s.buffer, s.index, env, store=True)
+        for buf, start, n, store, guard in _ranges_touched(s, self.buffers):
+            if guard is not None:
+                env.open()  # the guard's facts for these accesses only
+            if guard is None or assume(env, guard, True):
+                for idx in (start, add(start, Const(n - 1, INDEX))) if n > 1 else (start,):
+                    if guard is not None:  # as the GPU lowering clamps it: the witness search runs it too
+                        idx = Select(guard, idx, Const(0, INDEX), INDEX)
+                    self.access(s, buf, idx, env, store=store)
+            if guard is not None:
+                env.close()
+        if isinstance(s, Assign | WarpReduce | For):  # a body's own assignments are visited in turn
+            self.written[s.var.name] = self.clock
 
-    def access(self, s: Stmt, buf: str, idx: Expr, env: Env, path: tuple, store: bool = False) -> None:
+    def access(self, s: Stmt, buf: str, idx: Expr, env: Env, store: bool = False) -> None:
         size = self.buffers[buf].size
         kind = "store to" if store else "load from"
         b = bounds(idx, env)
@@ -427,42 +450,42 @@ class _Verifier:
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is always out of bounds: its index is in "
                          f"[{b[0]}, {b[1]}], but {buf!r} has {size} elements")
             return
-        if self._searched_before(path, idx, size):
+        assert self.ranges is not None
+        path = self.ranges.frames()
+        key = (_frames(path), idx, size)
+        if self._searched_before(key, idx):
+            return
+        if self.witness_budget <= 0:  # the kernel's searches have done their share
+            if self.work is not None:
+                self.work.add("verify: witness searches skipped")
             return
         if self.exec is None:
-            self.exec = _Exec()
-        found = _Witness(self.k, path, idx, size, self.exec).search()
+            self.exec = Exec()
+        search = Witness(self.k, path, idx, size, self.exec, min(MAX_WORK, self.witness_budget))
+        found = search.search()
+        self.witness_budget -= search.work
+        if self.work is not None:
+            self.work.add("verify: witness steps", search.work)
         if found is None:
-            self.fruitless.setdefault(_frames(path), []).append((path[-1][1], idx, size))
+            self.fruitless[key] = self.clock
         else:
             value, where = found
             self.fail(s, f"{kind} {buf}[{print_expr(idx)}] is out of bounds: index {value} at {where}, "
                          f"but {buf!r} has {size} elements")
 
-
-    def _searched_before(self, path: tuple, idx: Expr, size: int) -> bool:
+    def _searched_before(self, key: tuple, idx: Expr) -> bool:
         """Whether a search already failed for the same index into as many elements, earlier in the
         same statement list with none of the index's registers assigned since: every thread and
         iteration then reaches both accesses with the same index value, and this search would try
         a prefix of what that one tried (its work budget runs out no later), finding nothing either.
         (The epilogue reads each per-channel parameter at the same column index.)"""
-        stmts, pos, _ = path[-1]
-        for before, other, other_size in self.fruitless.get(_frames(path), ()):
-            if other_size == size and other == idx and not (
-                    free_names(idx) & assigned_names(stmts[before:pos])):
-                return True
-        return False
+        before = self.fruitless.get(key)
+        return before is not None and all(self.written.get(n, -1) < before for n in free_names(idx))
 
 
 def _frames(path: tuple) -> tuple:
     """An access's enclosing frames and statement list, by identity."""
     return (*((id(st), p, br) for st, p, br in path[:-1]), id(path[-1][0]))
-
-
-def _after(ranges: Ranges, s: For | If, env: Env) -> Env | None:
-    if isinstance(s, For):
-        return ranges.leave_loop(env, s)
-    return ranges.step(s, env)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -527,248 +550,3 @@ def _accesses(e: Expr) -> Iterator[tuple[str, Expr]]:
         yield e.buffer, e.index
     for ch in children(e):
         yield from _accesses(ch)
-
-
-# -- thread dependence -------------------------------------------------------------------------
-class _Divergence:
-    """How much each register and local buffer varies between threads (a fixed point over the
-    kernel: a value assigned under thread-dependent control is itself thread-dependent)."""
-
-    def __init__(self, kernel: Kernel) -> None:
-        self.k = kernel
-        bx, by, bz = kernel.block
-        rows_whole = bx % WARP == 0 or by * bz == 1  # a warp never spans two values of tid.y/z
-        self.special = {
-            "x": UNIFORM if bx == 1 else THREAD,
-            "y": UNIFORM if by == 1 else WARP_UNIFORM if bx % WARP == 0 else THREAD,
-            "z": UNIFORM if bz == 1 else WARP_UNIFORM if (bx * by) % WARP == 0 else THREAD,
-        }
-        self.warp_x = rows_whole  # tid.x / 32 is the same for a whole warp
-        self.local = {b.name for b in kernel.local}
-        self.regs: dict[str, int] = {}
-        self.mem: dict[str, int] = {}
-        # a walk changes nothing more once every value was read after its last raise: then the next
-        # walk would read the same levels everywhere, so only a raise of a value read earlier in
-        # the walk (``stale``) calls for another
-        self.read: set[str] = set()
-        self.stale = True
-        while self.stale:
-            self.read, self.stale = set(), False
-            self._walk(kernel.body, UNIFORM)
-
-    def _raise(self, table: dict[str, int], name: str, level: int) -> None:
-        new = max(table.get(name, UNIFORM), level)
-        if table.get(name) != new:
-            table[name] = new
-            if (name if table is self.regs else "[]" + name) in self.read:
-                self.stale = True
-
-    def _walk(self, stmts: tuple[Stmt, ...], ctrl: int) -> None:
-        for s in stmts:
-            if isinstance(s, Assign):
-                self._raise(self.regs, s.var.name, max(ctrl, self.level(s.value)))
-            elif isinstance(s, WarpReduce):
-                v = self.level(s.value)
-                result = UNIFORM if v == UNIFORM else WARP_UNIFORM if s.width == WARP else THREAD
-                self._raise(self.regs, s.var.name, max(ctrl, result))
-            elif isinstance(s, Store) and s.buffer in self.local:
-                self._raise(self.mem, s.buffer, max(ctrl, self.level(s.index), self.level(s.value)))
-            elif isinstance(s, Mma | LdMatrix):  # each lane holds different elements
-                self._raise(self.mem, s.d if isinstance(s, Mma) else s.dst, THREAD)
-            elif isinstance(s, For):
-                c = max(ctrl, self.level(s.start), self.level(s.stop))
-                self._raise(self.regs, s.var.name, c)
-                self._walk(s.body, c)
-            elif isinstance(s, If):
-                c = max(ctrl, self.level(s.cond))
-                self._walk(s.then, c)
-                self._walk(s.orelse, c)
-
-    def level(self, e: Expr) -> int:
-        if isinstance(e, Special):
-            return self.special[e.axis] if e.kind == "tid" else UNIFORM
-        if isinstance(e, Var):
-            self.read.add(e.name)
-            return self.regs.get(e.name, UNIFORM)
-        if isinstance(e, Load):
-            if e.buffer in self.local:
-                self.read.add("[]" + e.buffer)
-            return max(self.level(e.index), self.mem.get(e.buffer, THREAD) if e.buffer in self.local else UNIFORM)
-        if isinstance(e, Binary) and self._warp_index(e):
-            return WARP_UNIFORM
-        return max((self.level(ch) for ch in children(e)), default=UNIFORM)
-
-    def _warp_index(self, e: Binary) -> bool:
-        """``tid.x / 32k``, ``tid.x >> 5+``, ``tid.x < 32k``: the same for all lanes of a warp."""
-        if not self.warp_x:
-            return False
-        a, b, op = e.a, e.b, e.op
-        if isinstance(a, Const) and op in ("lt", "le", "gt", "ge"):
-            a, b, op = b, a, {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}[op]
-        if a != Special("tid", "x") or not isinstance(b, Const) or not isinstance(b.value, int):
-            return False
-        k = b.value
-        if op in ("div", "floordiv"):
-            return k > 0 and k % WARP == 0
-        if op == "shr":
-            return k >= 5
-        if op in ("lt", "ge"):
-            return k % WARP == 0
-        if op in ("le", "gt"):
-            return (k + 1) % WARP == 0
-        return False
-
-    def level_of(self, *exprs: Expr) -> tuple[int, str]:
-        """The level of the most thread-dependent of ``exprs`` and a phrase saying why."""
-        level = max(self.level(e) for e in exprs)
-        if level == UNIFORM:
-            return level, "are the same for all threads"
-        culprits = sorted({n for e in exprs for n in _sources(e, self)})
-        what = ", ".join(culprits) if culprits else "per-thread values"
-        return level, f"depend{'s' if len(exprs) == 1 else ''} on {what}"
-
-
-def _sources(e: Expr, div: _Divergence) -> Iterator[str]:
-    """The thread-dependent leaves of ``e`` (for messages)."""
-    if isinstance(e, Special) and div.level(e) > UNIFORM:
-        yield f"{e.kind}.{e.axis}"
-    elif isinstance(e, Var) and div.level(e) > UNIFORM:
-        yield f"register {e.name}"
-    elif isinstance(e, Load) and div.level(e) > UNIFORM and e.buffer in div.local:
-        yield f"local buffer {e.buffer}"
-    for ch in children(e):
-        yield from _sources(ch, div)
-
-
-# -- out-of-bounds witnesses -------------------------------------------------------------------
-_MAX_THREADS_EXHAUSTIVE = 1024
-_MAX_WORK = 50_000  # statements executed per access searched: keeps verification fast on big kernels
-
-
-class _Exec:
-    """Runs statements for one thread: expressions compiled once (:func:`compile_expr`) and each
-    loop's or branch's assigned registers computed once, for every search in a kernel.
-
-    Keyed by ``id`` of the kernel's own nodes, which the kernel keeps alive while it is verified."""
-
-    def __init__(self) -> None:
-        self._exprs: dict[int, tuple[Expr, Compiled]] = {}
-        self._assigned: dict[int, tuple[tuple[Stmt, ...], frozenset[str]]] = {}
-
-    def eval(self, e: Expr, vals: dict) -> Value:
-        hit = self._exprs.get(id(e))
-        if hit is None:
-            hit = self._exprs[id(e)] = (e, compile_expr(e))
-        return hit[1](vals, None)
-
-    def assigned(self, stmts: tuple[Stmt, ...]) -> frozenset[str]:
-        hit = self._assigned.get(id(stmts))
-        if hit is None:
-            hit = self._assigned[id(stmts)] = (stmts, frozenset(assigned_names(stmts)))
-        return hit[1]
-
-    def run(self, s: Stmt, vals: dict) -> None:
-        """Execute ``s`` as far as it is known (memory is not modelled)."""
-        if isinstance(s, Assign):
-            try:
-                vals[s.var.name] = self.eval(s.value, vals)
-            except EvalError:
-                vals.pop(s.var.name, None)
-        elif isinstance(s, WarpReduce):
-            vals.pop(s.var.name, None)
-        elif isinstance(s, If):
-            try:
-                body = s.then if self.eval(s.cond, vals) else s.orelse
-            except EvalError:
-                for name in self.assigned(s.then) | self.assigned(s.orelse):
-                    vals.pop(name, None)
-                return
-            for inner in body:
-                self.run(inner, vals)
-        elif isinstance(s, For):
-            vals.pop(s.var.name, None)
-            for name in self.assigned(s.body):
-                vals.pop(name, None)
-
-
-class _Witness:
-    """Looks for one thread (and loop iterations) that reaches an access with a bad index.
-
-    The thread runs the statements on the path to the access concretely; registers whose value
-    it cannot know (from loads, warp reductions, earlier iterations of a loop) become unknown,
-    and a path through an unknown condition is abandoned — so a witness is always real."""
-
-    def __init__(self, kernel: Kernel, path: tuple, index: Expr, size: int, ex: _Exec | None = None) -> None:
-        self.k, self.path, self.index, self.size = kernel, path, index, size
-        self.ex = ex if ex is not None else _Exec()
-        self.runs = 0  # accesses evaluated
-        self.unknown = 0  # ... of which needed an unknown value
-        self.work = 0  # statements executed
-
-    def threads(self) -> Iterator[dict[str, int]]:
-        dims = [(f"{kind}.{ax}", n) for kind, sizes in (("tid", self.k.block), ("bid", self.k.grid))
-                for ax, n in zip("xyz", sizes)]
-        exhaustive = self.k.threads_per_block * self.k.num_blocks <= _MAX_THREADS_EXHAUSTIVE
-        choices = [range(n) if exhaustive else sorted({v for v in (0, 1, n // 2, n - 2, n - 1) if 0 <= v < n})
-                   for _, n in dims]
-        fixed = {f"{kind}.{ax}": n for kind, sizes in (("bdim", self.k.block), ("gdim", self.k.grid))
-                 for ax, n in zip("xyz", sizes)}
-        for combo in itertools.product(*choices):
-            yield fixed | {name: v for (name, _), v in zip(dims, combo)}
-
-    def search(self) -> tuple[int, str] | None:
-        for thread in self.threads():
-            found = self.frame(0, dict(thread), [])
-            if found is not None:
-                value, loops = found
-                coords = [f"{k}={v}" for k, v in thread.items()
-                          if k[:3] in ("tid", "bid") and self._size(k) > 1]
-                return value, ", ".join(coords + loops) or "every thread"
-            if self.work >= _MAX_WORK or (self.unknown >= 8 and self.unknown == self.runs):
-                return None
-        return None
-
-    def _size(self, coord: str) -> int:
-        sizes = self.k.block if coord.startswith("tid") else self.k.grid
-        return sizes["xyz".index(coord[-1])]
-
-    def frame(self, depth: int, vals: dict, loops: list[str]) -> tuple[int, list[str]] | None:
-        stmts, pos, branch = self.path[depth]
-        self.work += pos + 1
-        ex = self.ex
-        for s in stmts[:pos]:
-            ex.run(s, vals)
-        s = stmts[pos]
-        if depth == len(self.path) - 1:
-            self.runs += 1
-            try:
-                i = ex.eval(self.index, vals)
-            except Unknown:
-                self.unknown += 1
-                return None
-            except EvalError:
-                return None
-            return (i, loops) if not 0 <= i < self.size else None
-        if isinstance(s, If):
-            try:
-                taken = bool(ex.eval(s.cond, vals))
-            except EvalError:
-                return None
-            return self.frame(depth + 1, vals, loops) if taken == branch else None
-        assert isinstance(s, For)
-        try:
-            start, stop = ex.eval(s.start, vals), ex.eval(s.stop, vals)
-        except EvalError:
-            return None
-        iters = range(start, stop, s.step)
-        picks = sorted({j for j in (0, 1, len(iters) - 2, len(iters) - 1) if 0 <= j < len(iters)})
-        for j in picks:
-            inner = dict(vals)
-            if j > 0:  # registers the body changes hold values of earlier iterations
-                for name in ex.assigned(s.body):
-                    inner.pop(name, None)
-            inner[s.var.name] = iters[j]
-            found = self.frame(depth + 1, inner, loops + [f"{s.var.name}={iters[j]}"])
-            if found is not None or self.work >= _MAX_WORK:
-                return found
-        return None

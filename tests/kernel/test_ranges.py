@@ -11,7 +11,7 @@ import torch
 
 from sextant.graph.dtypes import DType
 from sextant.graph.reference import _BINARY, _UNARY
-from sextant.kernel import ranges
+from sextant.kernel.flow import MAX_REGISTER_WALKS
 from sextant.kernel.ir import (
     Assign,
     Binary,
@@ -47,6 +47,7 @@ from sextant.kernel.ranges import (
     register_ranges,
     special_ranges,
 )
+from sextant.work import WorkCounter
 
 from .samples import BID, BOOL, F32, I32, TID, b, elementwise, f, v
 
@@ -289,15 +290,25 @@ def test_register_ranges_walk_again_where_a_new_bound_was_missing() -> None:
     # bounds ``b`` — and a third, which could find nothing new, is not run
     a, b_, k = v("a"), v("b"), v("k")
     kern = _kernel(For(k, c(0), c(8), 1, (Assign(a, add(k, c(1))),)), Assign(b_, add(a, c(1))))
-    walks = []
-    real = ranges._assigned_bounds
-    try:
-        ranges._assigned_bounds = lambda *args: walks.append(1) or real(*args)  # type: ignore[assignment]
-        resolved = register_ranges(kern, special_ranges(kern))
-    finally:
-        ranges._assigned_bounds = real
+    work = WorkCounter()
+    resolved = register_ranges(kern, special_ranges(kern), work)
     assert resolved == {a: (1, 8), b_: (2, 9)}
-    assert len(walks) == 2
+    assert work.counts["ranges: register walks"] == 2
+
+
+def test_register_ranges_walks_at_most_a_bounded_number_of_times() -> None:
+    """A chain of loops, each reading the register the one before it assigned: every link needs one
+    more walk to bound. The walks stop at ``MAX_REGISTER_WALKS`` (the rest stay unknown: sound)."""
+    k = v("k")
+    regs = [v(f"a{i}") for i in range(6)]
+    body: list[Stmt] = [For(k, c(0), c(8), 1, (Assign(regs[0], add(k, c(1))),))]
+    for i in range(1, 6):
+        body.append(For(v(f"k{i}"), c(0), c(2), 1, (Assign(regs[i], add(regs[i - 1], c(1))),)))
+    kern = _kernel(*body)
+    work = WorkCounter()
+    resolved = register_ranges(kern, special_ranges(kern), work)
+    assert work.counts["ranges: register walks"] == MAX_REGISTER_WALKS
+    assert resolved == {regs[i]: (1 + i, 8 + i) for i in range(MAX_REGISTER_WALKS)}
 
 
 def test_guard_facts_apply_inside_and_are_dropped_on_reassignment() -> None:
