@@ -35,8 +35,9 @@ class Const:
 
 
 class _HashOnce:
-    """A slot for the hash of a leaf node that is a dict key everywhere (range facts are keyed by
-    registers and coordinates): a dataclass's hash builds and hashes a tuple on every lookup."""
+    """A slot for the hash of a node that is a dict key everywhere (range facts are keyed by
+    registers, coordinates and compound expressions, the emitters memoise by index): a dataclass's
+    hash builds and hashes a tuple of its fields, recursively, on every lookup."""
 
     __slots__ = ("_hash",)
 
@@ -72,14 +73,14 @@ class Special(_HashOnce):
 
 
 @dataclass(frozen=True, slots=True)
-class Unary:
+class Unary(_HashOnce):
     op: str  # a graph-IR unary op name
     a: Expr
     dtype: DType
 
 
 @dataclass(frozen=True, slots=True)
-class Binary:
+class Binary(_HashOnce):
     op: str  # a graph-IR binary op name (comparisons give bool)
     a: Expr
     b: Expr
@@ -87,7 +88,7 @@ class Binary:
 
 
 @dataclass(frozen=True, slots=True)
-class Select:
+class Select(_HashOnce):
     cond: Expr
     a: Expr
     b: Expr
@@ -95,13 +96,13 @@ class Select:
 
 
 @dataclass(frozen=True, slots=True)
-class Cast:
+class Cast(_HashOnce):
     a: Expr
     dtype: DType
 
 
 @dataclass(frozen=True, slots=True)
-class Load:
+class Load(_HashOnce):
     """Element ``index`` of a buffer (a kernel argument, a shared or a local buffer)."""
 
     buffer: str
@@ -109,7 +110,8 @@ class Load:
     dtype: DType
 
 
-Var.__hash__ = Special.__hash__ = _HashOnce.__hash__  # type: ignore[method-assign]  # the dataclass set its own
+for _cls in (Var, Special, Unary, Binary, Select, Cast, Load):
+    _cls.__hash__ = _HashOnce.__hash__  # type: ignore[method-assign]  # the dataclass set its own
 Expr = Union[Const, Var, Special, Unary, Binary, Select, Cast, Load]  # noqa: UP007
 
 
