@@ -244,6 +244,11 @@ def accum_dtype(dtype: DType) -> DType:
     return DType.f32 if dtype in (DType.f16, DType.bf16) else dtype
 
 
+def _plus_zero(e: Expr) -> bool:
+    """``e`` is the float constant ``+0.0``."""
+    return isinstance(e, Const) and e.dtype.is_float and e.value == 0 and math.copysign(1.0, e.value) > 0
+
+
 class ValueEmitter:
     """Emit the computation of inlined graph values at given indices into kernel IR."""
 
@@ -253,6 +258,7 @@ class ValueEmitter:
         self._stmts: list[list[Stmt]] = [[]]
         self._memo: list[dict] = [{}]
         self._count = 0
+        self._plus_zero: set[Var] = set()  # registers bound to ``x + 0.0`` (see _add)
 
     # -- statement lists and scopes ------------------------------------------------------
     @property
@@ -283,7 +289,19 @@ class ValueEmitter:
             return e
         v = self.var(prefix, e.dtype)
         self.emit(Assign(v, e))
+        if isinstance(e, Binary) and e.op == "add" and (_plus_zero(e.a) or _plus_zero(e.b)):
+            self._plus_zero.add(v)
         return v
+
+    def _add(self, a: Expr, b: Expr, dt: DType) -> Expr:
+        """``a + b``, where adding ``+0.0`` to a value that already is ``x + 0.0`` is that value:
+        ``(x + 0.0) + 0.0 == x + 0.0`` bit for bit (only ``-0.0`` changes, and only once). A pooling
+        window over ceil-mode padding adds thousands of padding zeros in a row: one add, not one each."""
+        if _plus_zero(b) and a in self._plus_zero:
+            return a
+        if _plus_zero(a) and b in self._plus_zero:
+            return b
+        return Binary("add", a, b, dt)
 
     # -- values ------------------------------------------------------------------------------
     def value(self, n: Node, idx: Index) -> Expr:
@@ -335,7 +353,8 @@ class ValueEmitter:
             return Unary(op, (yield n.inputs[0], idx), dt)
         if op in BINARY:
             a = yield n.inputs[0], idx
-            return Binary(op, a, (yield n.inputs[1], idx), dt)
+            b = yield n.inputs[1], idx
+            return self._add(a, b, dt) if op == "add" and dt.is_float else Binary(op, a, b, dt)
         if op == "where":
             operands = []
             for i in n.inputs:
@@ -353,8 +372,8 @@ class ValueEmitter:
             return (yield src, tuple(out))
         if op == "expand":
             return (yield src, tuple(c(0) if s == 1 and d != 1 else i for i, s, d in zip(idx, src.shape, n.shape)))
-        if op == "slice":
-            return (yield src, tuple(iadd(c(st), imul(i, sp)) if sz != 1 or st else c(st)
+        if op == "slice":  # along a dim of size 1 the index is 0: the start itself, a constant
+            return (yield src, tuple(iadd(c(st), imul(i, sp)) if sz != 1 else c(st)
                                      for i, st, sp, sz in zip(idx, n.attr("start"), n.attr("step"),
                                                               n.attr("size"))))
         if op == "pad":
@@ -378,16 +397,19 @@ class ValueEmitter:
 
     def _pad(self, n: Node, idx: Index) -> Generator[Operand, Expr, Expr]:
         src = n.inputs[0]
+        shifted = [iadd(i, c(-lo)) for i, lo in zip(idx, n.attr("low"))]
+        if any(isinstance(i, Const) and isinstance(d, int) and not 0 <= i.value < d
+               for i, d in zip(shifted, src.shape)):
+            return Const(n.attr("value"), n.dtype)  # a constant index in the padding: no load
+        conds = [self._in_range(i, 0, d) for i, d in zip(shifted, src.shape)]
         inb: Expr = Const(True, DType.bool)
         inner = []
-        for i, lo, d in zip(idx, n.attr("low"), src.shape):
-            shifted = iadd(i, c(-lo))
-            cond = self._in_range(shifted, 0, d)
+        for i, cond in zip(shifted, conds):
             if not isinstance(cond, Const):
                 cond = self.bind(cond, "inb")
-                shifted = self.bind(Select(cond, shifted, c(0), INDEX), "i")
+                i = self.bind(Select(cond, i, c(0), INDEX), "i")
                 inb = cond if isinstance(inb, Const) else self.bind(Binary("bitwise_and", inb, cond, DType.bool))
-            inner.append(shifted)
+            inner.append(i)
         v = yield src, tuple(inner)
         if isinstance(inb, Const):
             return v
