@@ -17,6 +17,7 @@ from sextant.api import TARGETS as API_TARGETS
 from sextant.cli.errors import CliError, ExitCode
 from sextant.cli.models import LoadedModel
 from sextant.cli.progress import Progress
+from sextant.cli.work import work_lines
 from sextant.graph.passes import PASSES, PIPELINES, PassResult, trace_pipeline
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.onnx_module import OnnxCompiledModule
@@ -92,10 +93,12 @@ def check_ptxas() -> None:
 
 
 def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline: str | Sequence[str] = "default",
-          progress: Progress | None = None, need_gpu: bool = False, strict: bool = False) -> Build:
+          progress: Progress | None = None, need_gpu: bool = False, strict: bool = False,
+          verbose: bool = False) -> Build:
     """Compile ``model`` for ``target``. Without a GPU, ``cuda`` is compiled as ``cuda-sim`` (noted),
     unless ``need_gpu`` (the caller wants to run on the GPU): then a :class:`CliError` says so.
-    ``arch`` None: sm_90 for cuda-sim, the GPU's own for cuda."""
+    ``arch`` None: sm_90 for cuda-sim, the GPU's own for cuda. ``verbose``: the progress ends with
+    what the compile produced, in counts (graph nodes, kernels, statements: ``cli/work.py``)."""
     progress = progress or Progress(enabled=False)
     if target not in TARGETS:
         raise CliError(f"unknown target {target!r}", f"choose one of {', '.join(TARGETS)}", ExitCode.USAGE)
@@ -127,6 +130,9 @@ def build(model: LoadedModel, target: str, *, arch: str | None = None, pipeline:
                                    cache=False)  # the CLI shows every stage: it needs the capture's
     seconds = time.perf_counter() - t0
     progress.note(f"compiled in {seconds:.2f} s")
+    if verbose:
+        for line in work_lines(compiled.stages):
+            progress.note(line)
     ptx = compiled.stages.get("ptx")
     return Build(model, target, compiled, ptx.arch if ptx is not None else "", pipeline, seconds,
                  dict(progress.timings), notes)

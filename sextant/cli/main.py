@@ -55,7 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
     common.add_argument("--gpu", default="H100", help="GPU model for roofline estimates (explain, --report)")
     common.add_argument("--strict", action="store_true",
                         help="refuse ops with no lowering instead of running them as extern calls")
-    common.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and warnings")
+    common.add_argument("-v", "--verbose", action="store_true",
+                        help="show tracebacks and warnings, and what the compile produced (nodes, kernels, statements)")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
     parser = _Parser(prog="sextant", description=DESCRIPTION, epilog=EXIT_CODES_HELP,
@@ -188,7 +189,7 @@ def _execute(ns: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress = Progress(err, enabled=not ns.quiet)
     model = load_model(ns.model, parse_input_shapes(ns.input_shape))
     b = build(model, ns.target, arch=ns.arch, pipeline=pipeline, progress=progress, need_gpu=ns.command == "run",
-              strict=ns.strict)
+              strict=ns.strict, verbose=ns.verbose)
     code = COMMANDS[ns.command](ns, b, out)
     if ns.report is not None:
         _write_report(b, ns.report, ns.gpu, out)

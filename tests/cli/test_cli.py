@@ -84,6 +84,20 @@ def test_run_prints_error_and_timings() -> None:
     assert "first call" in out
 
 
+def test_compile_verbose_prints_stage_times_and_what_was_produced(tmp_path: Path) -> None:
+    """A slow compile shows where the time went (one line per stage) and why (graph and kernel sizes)."""
+    code, _, err = cli("compile", "mlp", "--target", "cpu", "--verbose", "-o", str(tmp_path))
+    assert code == 0, err
+    for stage in ("capture: torch.export -> graph IR", "graph passes", "schedule: fusion, memory plan",
+                  "codegen: LLVM -> x86 JIT"):
+        assert re.search(rf"^  {re.escape(stage)} \.\.\. [\d.]+ s$", err, re.M), (stage, err)
+    assert "  graph: 38 nodes captured, 35 scheduled" in err
+    assert re.search(r"^  kernels: 3 generated, 3 unique, \d+ statements \(largest: matmul_\d, \d+\)$", err, re.M), err
+    assert re.search(r"^  fusion: \d+ node visits$", err, re.M)
+    code, _, quiet = cli("compile", "mlp", "--target", "cpu", "-o", str(tmp_path))
+    assert code == 0 and "kernels:" not in quiet  # counts only with --verbose
+
+
 def test_explain_lists_kernels_registers_and_passes() -> None:
     code, out, _ = cli("explain", "mlp", "-q")
     assert code == 0
