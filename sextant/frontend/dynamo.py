@@ -130,10 +130,12 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                     STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: one capture"))
                     log.info("sextant: a graph of %d ops with symbolic sizes %s captured once on %s", nodes,
                              ", ".join(plan.names), target)
-                except SextantError as e:
-                    reason = str(e).splitlines()[0] + _first_reasons(e)
-                    log.info("sextant: symbolic capture failed (%s); compiling per concrete shape", reason)
-                    STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: compiled per concrete shape"))
+                except Exception as e:  # any failure to capture: the per-shape path, then eager, still run
+                    reason = _why(e)
+                    log.log(logging.WARNING if reason.startswith("internal error") else logging.INFO,
+                            "sextant: symbolic capture failed (%s); compiling per concrete shape", reason)
+                    STATS.graphs.append(GraphRecord(nodes, target, "symbolic shapes: compiled per concrete shape "
+                                                    f"(symbolic capture failed: {reason})"))
                     holder["fn"] = _PerShape(compile_for, fall_back, nodes)
             return holder["fn"](*args)
 
@@ -144,8 +146,8 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         return _PerShape(compile_for, fall_back, nodes)
     try:
         compiled = compile_for(example_inputs)
-    except SextantError as e:
-        return fall_back(str(e).splitlines()[0] + _first_reasons(e))
+    except Exception as e:  # not only SextantError: a bug in sextant must not break a model that runs eagerly
+        return fall_back(_why(e))
     STATS.graphs.append(GraphRecord(nodes, compiled.target))
     log.info("sextant: compiled a graph of %d ops for %s", nodes, compiled.target)
 
@@ -290,18 +292,27 @@ class _PerShape:
         key = tuple(_signature(a) for a in args)
         fn = self.compiled.get(key)
         if fn is None:
-            from sextant.errors import SextantError
-
             if len(self.compiled) >= self.MAX:
                 fn = self._fall_back(f"more than {self.MAX} distinct shapes")
             else:
                 try:
                     fn = self._compile_for(args)
                     log.info("sextant: compiled a graph of %d ops for shapes %s", self.nodes, key)
-                except SextantError as e:
-                    fn = self._fall_back(str(e).splitlines()[0] + _first_reasons(e))
+                except Exception as e:
+                    fn = self._fall_back(_why(e))
             self.compiled[key] = fn
         return fn(*args)
+
+
+def _why(e: BaseException) -> str:
+    """A fallback's reason: sextant's own error as it explains itself; anything else (a bug in
+    sextant) named as an internal error, so STATS and the log tell the two apart."""
+    from sextant.errors import SextantError
+
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, SextantError):
+        return first + _first_reasons(e)
+    return f"internal error: {type(e).__name__}: {first}"
 
 
 def _first_reasons(e: BaseException) -> str:

@@ -246,3 +246,24 @@ def test_encodec_encoder() -> None:
             x = torch.randn(1, 1, n)
             torch.testing.assert_close(compiled(x), encoder(x), rtol=1e-4, atol=1e-4)
     assert dyn.STATS.compiled >= 1 and dyn.STATS.fallbacks >= 1
+
+
+def test_an_internal_error_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception while compiling a graph — a bug in sextant, not only its own errors (a symbolic
+    reshape it cannot prove, say) — costs that graph its compilation, never the user's call: the
+    static graph, then the symbolic one after a shape change (per shape, then eagerly)."""
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(sextant, "compile", broken)
+    module = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    compiled = torch.compile(module, backend="sextant")
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), module(x))
+    assert dyn.STATS.fallbacks == 2 and dyn.STATS.graphs
+    assert all("internal error: KeyError: 'a bug'" in g.reason for g in dyn.STATS.graphs)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="cannot compile this graph: internal error"):
+        torch.compile(module, backend="sextant", options={"fallback": False})(torch.randn(2, 8))
