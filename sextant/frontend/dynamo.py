@@ -5,7 +5,7 @@ data-dependent branch), and hands each FX graph to the backend with example inpu
 compiles each graph through the same path as ``sextant.compile`` — torch.export of the
 ``GraphModule``, Core ATen, the one lowering table — for the target the inputs live on (CUDA
 tensors → ``cuda``, CPU tensors → ``cpu``) or the one given in ``options``. A graph sextant
-cannot compile (an unsupported op, an export failure, symbolic shapes) falls back to eager for
+cannot compile (an unsupported op, an export failure, a bug in sextant) falls back to eager for
 that graph only, with the reason logged on the ``sextant.dynamo`` logger; the model still runs.
 
 The backend is registered under the name ``sextant`` as a ``torch_dynamo_backends`` entry point
