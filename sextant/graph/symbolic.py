@@ -243,6 +243,12 @@ def _canonical_floors(expr: sympy.Expr) -> sympy.Expr:
         arg = e.args[0] if not isinstance(e, sympy.ceiling) else -e.args[0]
         num, den = sympy.fraction(sympy.together(arg))
         num = sympy.expand(num)
+        if den.is_Integer and int(den) > 1 and not isinstance(e, sympy.ceiling):
+            # floor((floor(y) + Q)/d) = floor((y + Q)/d) for an integer polynomial Q and d > 0: a
+            # stride-5 then stride-2 length is floor(s/10), however torch or a lowering nests it
+            inner = [t for t in sympy.Add.make_args(num) if isinstance(t, sympy.floor)]
+            if len(inner) == 1 and (num - inner[0]).is_polynomial() and not (num - inner[0]).has(sympy.floor):
+                return canon(sympy.floor((inner[0].args[0] + num - inner[0]) / den))
         if not (den.is_Integer and int(den) > 1 and num.is_polynomial()):
             return e
         const = num.as_coeff_add()[0]

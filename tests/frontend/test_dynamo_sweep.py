@@ -50,9 +50,6 @@ DYNAMIC_IMAGES = {"example-cnn"}  # the one cheap enough for dynamic=True
 
 # Known, allowed degradations (each graph still runs): model -> why. Fewer is fine; more fails.
 SYMBOLIC_CAPTURE_FAILS = {
-    # the conv stack's output length: torch says floor(floor(s/5)/2) - 1, the graph IR's conv shape
-    # floor(s/10) - 1, and the reshape between them is refused (they are equal; the IR cannot tell)
-    "wav2vec2": "floor(floor(s/5)/2) vs floor(s/10)",
     # Dynamo assumes the pooled height H//4 is not 1 (its 0/1 specialisation) and guards on it;
     # torch.export refuses a Dim(min=4) for H that admits H//4 == 1 ("Constraints violated")
     "example-cnn": "H//4 != 1 is not a range",

@@ -225,3 +225,17 @@ def test_dim_hints_are_named_after_their_argument() -> None:
                                               "x_dim0 in [2, 2147483647], x_dim1 in [2, 2147483647] {")
     x = torch.randn(3, 7, 4)
     torch.testing.assert_close(run_graph(g, [x])[0], Scores()(x))
+
+
+def test_nested_floors_are_one_size() -> None:
+    """torch writes a stride-5-then-2 conv length as floor(floor(s/5)/2) - 1, a lowering floor(s/10) - 1."""
+    import sympy
+
+    from sextant.graph.symbolic import make_dim
+
+    s = sympy.Symbol("s", integer=True, positive=True)
+    bounds = (("s", 1, 4000),)
+    assert make_dim(sympy.floor(sympy.floor(s / 5) / 2) - 1, bounds) == make_dim(sympy.floor(s / 10) - 1, bounds)
+    nested = make_dim(sympy.floor((sympy.floor((s - 3) / 5) + 1) / 2), bounds)
+    for v in (1, 2, 7, 13, 99, 4000):
+        assert nested.subs({"s": v}) == ((v - 3) // 5 + 1) // 2
