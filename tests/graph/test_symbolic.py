@@ -231,9 +231,9 @@ def test_nested_floors_are_one_size() -> None:
     """torch writes a stride-5-then-2 conv length as floor(floor(s/5)/2) - 1, a lowering floor(s/10) - 1."""
     import sympy
 
-    from sextant.graph.symbolic import make_dim
+    from sextant.graph.symbolic import make_dim, sympy_symbol
 
-    s = sympy.Symbol("s", integer=True, positive=True)
+    s = sympy_symbol("s")
     bounds = (("s", 1, 4000),)
     assert make_dim(sympy.floor(sympy.floor(s / 5) / 2) - 1, bounds) == make_dim(sympy.floor(s / 10) - 1, bounds)
     nested = make_dim(sympy.floor((sympy.floor((s - 3) / 5) + 1) / 2), bounds)
