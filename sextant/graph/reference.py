@@ -15,8 +15,8 @@ import torch
 from sextant.graph.extern import call_extern
 from sextant.graph.ir import Graph, Node, topo_sort
 from sextant.graph.symbolic import is_symbolic
-from sextant.kernel.torch_ops import BINARY as _BINARY
-from sextant.kernel.torch_ops import UNARY as _UNARY
+from sextant.graph.torch_ops import BINARY as _BINARY
+from sextant.graph.torch_ops import UNARY as _UNARY
 
 _REDUCE = {"sum": torch.sum, "prod": torch.prod}
 

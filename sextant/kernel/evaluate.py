@@ -3,7 +3,7 @@
 The counterpart of range analysis: tests check intervals against it, and the verifier's
 witness search runs threads with it. Integers wrap like the hardware; floats are computed by
 torch on scalars of the exact dtype, with the same functions as the reference executor
-(:mod:`sextant.kernel.torch_ops`).
+(:mod:`sextant.graph.torch_ops`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 import torch
 
 from sextant.graph.dtypes import DType
+from sextant.graph.torch_ops import BINARY, UNARY
 from sextant.kernel.intervals import CMP, int_range, is_intlike, tdiv, tmod, wrap
 from sextant.kernel.ir import Binary, Cast, Const, Expr, Load, Select, Special, Unary, Var
-from sextant.kernel.torch_ops import BINARY, UNARY
 
 
 class EvalError(Exception):

@@ -2,8 +2,9 @@
 
 The reference executor (``sextant.graph.reference``) applies them to tensors, the kernel
 evaluator (:mod:`sextant.kernel.evaluate`) to scalars of the exact dtype, so the oracle and the
-verifier's concrete runs agree by construction. It lives here, below both, so the kernel layer
-does not reach up into the graph executor for it.
+verifier's concrete runs agree by construction. It is a public module of the graph layer (which
+the kernel layer builds on: dtypes, op sets, sizes), so neither reaches into the other's private
+tables and the graph layer imports nothing from the kernel layer.
 """
 
 from __future__ import annotations
