@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
+from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.kernel import simplify_kernel, verify_kernel
 from sextant.kernel.exprs import statement_count
@@ -21,6 +23,8 @@ from sextant.kernel.flow import MAX_REGISTER_WALKS
 from sextant.kernel.ir import Assign, Buffer, Const, Expr, For, If, Kernel, Load, Select, Stmt, Store
 from sextant.kernel.verifier import WITNESS_SEARCHES, WITNESS_WORK_PER_STATEMENT
 from sextant.kernel.witness import MAX_WORK
+from sextant.schedule.program import schedule
+from sextant.schedule.target import cpu_target, gpu_target
 from sextant.work import WorkCounter
 
 from .samples import BID, F32, I32, TID, b, c, f, v
@@ -125,6 +129,36 @@ def test_work_per_statement_stays_flat(family: Callable[[int], Kernel]) -> None:
         assert per_big <= GROWTH * per_small + 1e-9, (
             f"{kind}: {per_small:.2f} -> {per_big:.2f} per statement ({small_n} -> {big_n} statements)")
     assert big.total() / big_n <= GROWTH * small.total() / small_n
+
+
+def _depthwise_kernels(k: int) -> list[Kernel]:
+    """The kernels both targets schedule for EfficientNet's stride-2 depthwise conv: "same" padding,
+    asymmetric (one more row and column after than before), a ``k × k`` window unrolled into taps."""
+    g = GraphBuilder("dw")
+    x = g.input("x", (2, 8, 16, 16), F32)
+    lo, hi = (k - 2) // 2, (k - 1) - (k - 2) // 2
+    padded = g.pad(x, (0, 0, lo, lo), (0, 0, hi, hi), 0.0)
+    w = g.param("w", torch.randn(8, 1, k, k))
+    y = g.emit("conv", [padded, w], stride=(2, 2), padding=(0, 0), dilation=(1, 1), groups=8)
+    graph = g.build([y])
+    return [kern for target in (cpu_target(cores=2, vector_bytes=32), gpu_target("sm_90"))
+            for kern in schedule(graph, target).kernels.values()]
+
+
+def test_depthwise_window_work_per_statement_stays_flat() -> None:
+    """Scheduled kernels, not hand-built ones: the CPU mapping unrolls the window's taps, so its
+    kernel grows with ``k²``; the work of simplifying and verifying again grows with it, no faster."""
+    per: dict[int, float] = {}
+    for k in (3, 5, 9, 13):
+        stmts, total = 0, 0
+        for kern in _depthwise_kernels(k):
+            n, work = _work(kern)
+            stmts, total = stmts + n, total + work.total()
+        per[k] = total / stmts
+        if k == 3:
+            small = stmts
+    assert stmts >= 4 * small  # the kernels did grow
+    assert per[13] <= GROWTH * per[3], per
 
 
 def test_register_walks_are_bounded() -> None:
