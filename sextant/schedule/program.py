@@ -256,14 +256,15 @@ def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
     return packed
 
 
-def finish_kernel(k: Kernel, target: TargetDesc, bounds: Bounds = ()) -> Kernel:
+def finish_kernel(k: Kernel, target: TargetDesc, bounds: Bounds = (), work: WorkCounter | None = None) -> Kernel:
     """Simplify a freshly generated kernel's index arithmetic (dropping provably dead edge paths and
     bounds checks) and verify it: a scheduler bug is caught here, not as a wrong answer later.
-    ``bounds``: the program's symbols, which the kernel takes as size arguments where it reads them."""
+    ``bounds``: the program's symbols, which the kernel takes as size arguments where it reads them;
+    ``work`` counts what the kernel analyses did (the program's scaling tests read it)."""
     if bounds:
         k = with_sizes(k, bounds)
-    k = simplify_kernel(k)
-    verify_kernel(k, shared_limit=target.shared_bytes)
+    k = simplify_kernel(k, work=work)
+    verify_kernel(k, shared_limit=target.shared_bytes, work=work)
     return k
 
 
@@ -333,7 +334,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         if name is None:
             name = f"{g.kind}_{len(kernels)}"
             unique[key] = name
-            kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds)
+            kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds, work)
             work.add("kernels: finished")
         ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
                for n in external_buffers(g, stored)]

@@ -141,7 +141,13 @@ def _windows(ctx: LoweringContext, x: Node, kernel, stride, padding, dilation, c
         need = (out_sp[d] - 1) * stride[d] + (kernel[d] - 1) * dilation[d] + 1
         high.append(max(need - x.shape[lead + d] - padding[d], 0))
     padded = b.pad(x, low, high, fill)
-    for offs in itertools.product(*(range(k) for k in kernel)):
+    # offsets that read only padding at every output position add nothing (0 to a sum, -inf to a
+    # max): skipped, so a window far larger than its input (EfficientNet's AvgPool2d(320) over a
+    # 2×2 map, ceil_mode) is as many slices as taps that touch the input, not 102,400
+    live = [[k for k in range(kernel[d]) if not (isinstance(x.shape[lead + d], int) and isinstance(out_sp[d], int))
+             or any(0 <= o * stride[d] + k * dilation[d] - padding[d] < x.shape[lead + d] for o in range(out_sp[d]))]
+            for d in range(nsp)]
+    for offs in itertools.product(*live):
         y = padded
         for d in range(nsp):
             y = b.slice(y, lead + d, offs[d] * dilation[d], out_sp[d], stride[d])
