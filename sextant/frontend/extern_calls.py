@@ -18,20 +18,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from sextant.frontend.lowerings import LoweringContext
 from sextant.graph.dtypes import DType
-from sextant.graph.extern import ExternEncodingError, encode, op_name
+from sextant.graph.extern import ExternEncodingError, encode, flatten, op_name
 from sextant.graph.ir import Node
 from sextant.graph.symbolic import SymbolicShapeError
 
 
 class NotExtern(Exception):
     """The op cannot be called as an extern op; the message says why."""
-
-
-def _results(val: Any) -> list[Any]:
-    """torch's recorded results of the op, flat (tensors and anything else, in order)."""
-    if isinstance(val, (tuple, list)):
-        return [r for v in val for r in _results(v)]
-    return [val]
 
 
 def extern_refusal(node: torch.fx.Node) -> str | None:
@@ -41,7 +34,7 @@ def extern_refusal(node: torch.fx.Node) -> str | None:
         return "not an op overload (a higher-order op or a Python function): it cannot be called as an extern op"
     if op._schema.is_mutable:
         return "it writes its arguments in place; an extern call must be pure"
-    results = _results(node.meta.get("val"))
+    results = flatten(node.meta.get("val"))
     if not any(isinstance(v, torch.Tensor) for v in results):
         return "it returns no tensor"
     for v in results:

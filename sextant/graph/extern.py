@@ -109,13 +109,16 @@ def call_extern(fn: str, args: str, kwargs: str, tensors: Sequence[torch.Tensor]
     return flat_results(out)
 
 
+def flatten(out: Any) -> list[Any]:
+    """An op's results in order, nested tuples/lists flattened (tensors and anything else)."""
+    if isinstance(out, (tuple, list)):
+        return [r for x in out for r in flatten(x)]
+    return [out]
+
+
 def flat_results(out: Any) -> list[torch.Tensor]:
     """An op's tensor results in order (a tensor, or a tuple/list of them)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for x in out for t in flat_results(x)]
-    return []
+    return [t for t in flatten(out) if isinstance(t, torch.Tensor)]
 
 
 def call_key(node: Any) -> tuple:

@@ -203,8 +203,7 @@ class _Report:
             rows.append((f'<span id="launch-{li}" class="mono">#{li} {esc(launch.kernel)}</span>',
                          f"<code>{esc(call.fn)}</code>", f'<span class="mono">{esc(call.loc or "?")}</span>',
                          f"<code>{esc(src.code if src else '')}</code>",
-                         f"<code>{esc(types(launch.args[:call.operands]))} → "
-                         f"{esc(types(launch.args[call.operands:]))}</code>"))
+                         " → ".join(f"<code>{esc(types(bs))}</code>" for bs in call.split(launch.args))))
         if not rows:
             return ""
         return ('<section id="externs"><h2>Extern calls</h2><p class="note">Ops with no lowering in sextant, '

@@ -313,9 +313,10 @@ class CudaRunner:
 
     # -- a call ---------------------------------------------------------------------------------
     def _tensors(self, inputs: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-        """Every buffer's tensor for one call (inputs, fresh outputs, weights) and the per-call addresses."""
+        """Every buffer's tensor for one call (inputs, fresh outputs, weights, and the arena temporaries
+        extern calls read and write) and the per-call addresses."""
         p = self.program
-        tensors: dict[int, torch.Tensor] = dict(self.constants)
+        tensors: dict[int, torch.Tensor] = {**self.constants, **self._extern_temps}
         for b, x in zip(p.buffers, inputs):  # inputs come first, in graph order
             tensors[b.index] = self._as_input(b.index, x)
         for b in p.buffers:
@@ -351,7 +352,7 @@ class CudaRunner:
                                   self._shared[step.kernel], handle, self._blocks[step.index].address, 0,
                                   what=_describe(step))
                     else:
-                        run_extern(self.program, step, {**tensors, **self._extern_temps}, self.device)
+                        run_extern(self.program, step, tensors, self.device)
                 end.record()
                 out.append(start.seconds_to(end) / repeats)
             del tensors
@@ -406,7 +407,7 @@ class CudaRunner:
         d, handle = self._drv, self._stream_handle(stream)
         for s in self._steps():
             if not isinstance(s, LaunchSpec):  # an extern call: torch's op, on torch's (this) stream
-                run_extern(self.program, s, {**tensors, **self._extern_temps}, self.device)
+                run_extern(self.program, s, tensors, self.device)
                 continue
             block = self._blocks[s.index]
             d("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, self._shared[s.kernel], handle,
@@ -440,7 +441,7 @@ class CudaRunner:
         handle = self._stream_handle(stream)
         for step, exec_ in zip(self._segments, self._exec):
             if exec_ is None:  # an extern call between two graphs
-                run_extern(self.program, step, {**tensors, **self._extern_temps}, self.device)
+                run_extern(self.program, step, tensors, self.device)
                 continue
             d("cuGraphLaunch", exec_, handle, what=f"launching the CUDA graph of {len(step)} kernels")
             if self.sync_each_launch:

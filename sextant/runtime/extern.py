@@ -20,13 +20,14 @@ def run_extern(program: Program, launch: Launch, tensors: dict[int, torch.Tensor
     its results into the output buffers."""
     call = launch.extern
     assert call is not None
-    operands = [tensors[b] for b in launch.args[:call.operands]]
+    ins, outs = call.split(launch.args)
+    operands = [tensors[b] for b in ins]
     where = f"{call.fn} (extern call from {call.loc or 'an unknown line'})"
     try:
         results = call_extern(call.fn, call.args, call.kwargs, operands, device)
     except Exception as e:  # the op's own error, with the call it came from
         raise ExternCallError(f"{where} failed: {type(e).__name__}: {e}") from e
-    for r, b in zip(call.results, launch.args[call.operands:]):
+    for r, b in zip(call.results, outs):
         out = tensors[b]
         if r >= len(results):
             raise ExternCallError(f"{where} returned {len(results)} tensors; result {r} was expected")

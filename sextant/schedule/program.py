@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +58,10 @@ class ExternCall:
     results: tuple[int, ...]  # per output buffer, the index of the call's result written into it
     loc: str | None = None
 
-    @property
-    def operands(self) -> int:
-        return -len(self.results)  # launch.args[:operands] are the operands
+    def split(self, args: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A launch's buffers as (the call's operands, the result buffers)."""
+        n = len(args) - len(self.results)
+        return args[:n], args[n:]
 
 
 @dataclass(frozen=True)
@@ -321,25 +322,27 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     for gi, g in enumerate(groups):
         if all(o.type.numel == 0 for o in g.outputs):
             continue  # nothing to compute: an empty output needs a buffer (allocated below), not a kernel
-        if g.kind == "extern":
-            launches.append(extern_launch(g, gi, f"extern_{externs}", buffer, graph_outputs))
+        call = None
+        if g.kind == "extern":  # an op called as itself: no kernel, its operands and results as buffers
+            name, call, blocks = f"extern_{externs}", extern_call(g), 1
+            reads, writes = g.outputs[0].inputs, g.outputs
             externs += 1
             work.add("extern calls")
-            continue
-        k = mappings[g.kind](g, stored, target, "kernel")
-        work.add("kernels: generated")
-        work.add("kernels: statements", _statements(k.body))
-        key = (dataclasses.replace(k, name=""), k.meta.get("grid"))
-        name = unique.get(key)
-        if name is None:
-            name = f"{g.kind}_{len(kernels)}"
-            unique[key] = name
-            kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds, work)
-            work.add("kernels: finished")
-        ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
-               for n in external_buffers(g, stored)]
-        outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]
-        launches.append(Launch(name, gi, tuple(ins + outs), launch_blocks(k)))
+        else:
+            k = mappings[g.kind](g, stored, target, "kernel")
+            work.add("kernels: generated")
+            work.add("kernels: statements", _statements(k.body))
+            key = (dataclasses.replace(k, name=""), k.meta.get("grid"))
+            name = unique.get(key)
+            if name is None:
+                name = f"{g.kind}_{len(kernels)}"
+                unique[key] = name
+                kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds, work)
+                work.add("kernels: finished")
+            reads, writes, blocks = external_buffers(g, stored), g.outputs, launch_blocks(k)
+        ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in reads]
+        outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in writes]
+        launches.append(Launch(name, gi, tuple(ins + outs), blocks, call))
     outputs = [buffer(o, "param" if o.op == "param" else "input" if o.op == "input" else "output")
                for o in graph.outputs]
 
@@ -357,15 +360,11 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
                    work=work, rewrites=split_notes, symbols=bounds)
 
 
-def extern_launch(g: Group, gi: int, name: str, buffer: Callable[[Node, str], int],
-                  graph_outputs: set[int]) -> Launch:
-    """The launch of an extern group: its operands' buffers, then one buffer per result node."""
-    first = g.members[0]
-    ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in first.inputs]
-    outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.members]
-    call = ExternCall(first.attr("fn"), first.attr("args"), first.attr("kwargs"),
-                      tuple(o.attr("result") for o in g.members), first.loc)
-    return Launch(name, gi, tuple(ins + outs), 1, call)
+def extern_call(g: Group) -> ExternCall:
+    """The call an extern group makes: its op and arguments, and which result each output receives."""
+    first = g.outputs[0]
+    return ExternCall(first.attr("fn"), first.attr("args"), first.attr("kwargs"),
+                      tuple(o.attr("result") for o in g.outputs), first.loc)
 
 
 def _lifetimes(launches: list[Launch]) -> tuple[dict[int, int], dict[int, int]]:

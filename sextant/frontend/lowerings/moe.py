@@ -23,6 +23,7 @@ import math
 
 from torch.ops import aten
 
+from sextant.frontend.lowerings.nn import lowest
 from sextant.frontend.lowerings.registry import LoweringContext, NoNativeForm, lower, lower_named
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
@@ -38,12 +39,6 @@ def _static(n: object, what: str) -> int:
     if not isinstance(n, int):
         raise NoNativeForm(f"{what} over a symbolic size")
     return n
-
-
-def _lowest(dtype: DType) -> float | int:
-    import torch
-
-    return -math.inf if dtype.is_float else torch.iinfo(dtype.torch).min
 
 
 def _highest(dtype: DType) -> float | int:
@@ -63,7 +58,7 @@ def _topk(ctx: LoweringContext, x: Node, k: int, dim: int = -1, largest: bool = 
     if not 1 <= k <= min(n, TOPK_MAX):
         raise NoNativeForm(f"topk with k={k} (the native form takes 1 ≤ k ≤ {TOPK_MAX})")
     fn = "max" if largest else "min"
-    fill = _lowest(x.dtype) if largest else _highest(x.dtype)
+    fill = lowest(x.dtype) if largest else _highest(x.dtype)
     iota = b.iota(x.shape, axis, DType.i64)
     values, indices = [], []
     taken: Node | None = None

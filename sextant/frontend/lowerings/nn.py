@@ -160,7 +160,8 @@ def _pool_args(x: Node, kernel, stride, padding, dilation, nsp: int):
     return kernel, stride, _per_dim(padding, nsp), _per_dim(dilation, nsp)
 
 
-def _lowest(dtype: DType) -> float | int:
+def lowest(dtype: DType) -> float | int:
+    """The smallest value of ``dtype`` (-inf for floats): a max-pool's padding, a top-k's mask."""
     if dtype.is_float:
         return -math.inf
     return torch.iinfo(dtype.torch).min
@@ -174,7 +175,7 @@ def _max_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, dilat
     lead = x.type.rank - nsp
     in_sp = x.shape[lead:]
     best = best_idx = None
-    for offs, v, _ in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, _lowest(x.dtype)):
+    for offs, v, _ in _windows(ctx, x, kernel, stride, padding, dilation, ceil_mode, lowest(x.dtype)):
         # flat index into the unpadded spatial plane of the element each output reads
         flat = None
         for d in range(nsp):
