@@ -66,6 +66,10 @@ def compile(  # mirrors torch.compile
     keeps those sizes symbolic: one capture serves every size in range, each new binding of the
     sizes compiled on first use (``sextant/runtime/specialize.py``, docs/dynamic-shapes.md) — with
     the cache on, one cache entry per binding, so a later process loads the sizes it has seen.
+    A module that updates its buffers in ``forward()`` (a KV cache: ``self.k_cache[:, :, pos] = k``)
+    is compiled with them as state: each call reads the module's live buffers and writes their new
+    values back — in place, one token's rows, where the schedule can prove it safe
+    (``graph/passes/in_place_updates.py``); arguments updated in place are written back likewise.
     An ATen op (or ``torch.library`` custom op) with no lowering runs as an *extern call*: the op
     itself, called on the host between sextant's kernels (listed in the schedule dump, ``sextant
     explain`` and the report); ``strict=True`` refuses such a model instead (``UnsupportedOpError``
@@ -91,7 +95,7 @@ def compile(  # mirrors torch.compile
     with gc_paused():  # see sextant.gcpause: a third of IR generation was the cyclic collector
         compiled = _compile(module, args, kwargs, target, arch, pipeline, print_after_all, stream, progress,
                             dynamic_shapes, k if dynamic_shapes is not None else None, strict)
-    if k and dynamic_shapes is None:
+    if k and dynamic_shapes is None and not compiled.graph.mutations:  # (an artifact holds no live buffers)
         compile_cache.store(k, compiled)
     return compiled
 
@@ -135,8 +139,19 @@ def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | N
     step = _steps(progress)
     with step("capture"):
         captured = capture(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
-    return compile_graph(captured, target=target, arch=arch, pipeline=pipeline, print_after_all=print_after_all,
-                         stream=stream, progress=step, cache_key=cache_key)
+    compiled = compile_graph(captured, target=target, arch=arch, pipeline=pipeline,
+                             print_after_all=print_after_all, stream=stream, progress=step, cache_key=cache_key)
+    if captured.mutations:
+        bind_buffers(compiled, module)
+    return compiled
+
+
+def bind_buffers(compiled: CompiledModule, module: torch.nn.Module) -> None:
+    """Hand the compiled module the live buffers ``module.forward()`` updates (a KV cache): each call
+    reads them and stores their new values back, as eager does (``graph.ir.Mutation``)."""
+    g = compiled.graph
+    names = [m.target for m in sorted(g.mutations, key=lambda m: m.input) if m.kind == "buffer"]
+    compiled.bind_state([module.get_buffer(name) for name in names])
 
 
 def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],

@@ -19,7 +19,7 @@ from sextant.frontend.source import module_path, short_loc, user_frame
 from sextant.frontend.symbols import TorchSymbols, declared_names
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Graph, InputLeaf, Node
+from sextant.graph.ir import Graph, InputLeaf, Mutation, Node
 from sextant.graph.symbolic import SymbolicShapeError
 from sextant.graph.verifier import verify
 
@@ -112,9 +112,11 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
     syms = TorchSymbols(ep, dim_names)
     env: dict[str, Any] = {}
     sig = ep.graph_signature
-    state = {**ep.state_dict, **ep.constants}
+    tensors = {**ep.state_dict, **ep.constants}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     leaves: list[InputLeaf] = []
+    mutated = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+    state: list[tuple[str, Any]] = []  # mutated buffers: inputs after the user's, in signature order
     for spec, ph in zip(sig.input_specs, placeholders):
         if spec.kind == InputKind.USER_INPUT:
             val = ph.meta.get("val")
@@ -125,13 +127,19 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
                 continue
             env[ph.name] = b.input(spec.arg.name, syms.shape(val.shape), DType.from_torch(val.dtype))
             leaves.append(InputLeaf(spec.arg.name, len(b.inputs) - 1))
+        elif spec.kind == InputKind.BUFFER and spec.target in mutated:
+            state.append((spec.target, ph))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            tensor = state[spec.target]
+            tensor = tensors[spec.target]
             b.loc = None
             env[ph.name] = b.param(spec.target, tensor)
         else:
             raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} input>", "<graph signature>", "", "",
                                                     "only user inputs, parameters, buffers and constants")])
+    for target, ph in state:
+        tensor = tensors[target]
+        _check_state(target, tensor, tensors)
+        env[ph.name] = b.input(target, syms.shape(tensor.shape), DType.from_torch(tensor.dtype))
 
     for node in ep.graph.nodes:
         if node.op != "call_function":
@@ -159,19 +167,58 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
 
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     results = out_node.args[0]
-    outputs = []
+    outputs, updates = [], []
     for spec, r in zip(sig.output_specs, results):
+        value = env[r.name] if isinstance(r, torch.fx.Node) else r
+        if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+            updates.append((spec, value))
+            continue
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} output>", "<graph signature>", "", "",
-                                                    "the model mutates its inputs or buffers in forward()")])
-        value = env[r.name] if isinstance(r, torch.fx.Node) else r
+                                                    "only returned tensors and updated buffers or inputs")])
         if not isinstance(value, Node):
             raise UnsupportedOpError([UnsupportedOp("<non-tensor output>", "<graph signature>", "", "",
                                                     f"output {value!r} is not a tensor")])
         outputs.append(value)
-    graph = b.build(outputs, ep.call_spec.in_spec, ep.call_spec.out_spec, leaves)
+    mutations = _mutations(updates, b, leaves, len(outputs))
+    graph = b.build(outputs + [v for _, v in updates], ep.call_spec.in_spec, ep.call_spec.out_spec, leaves,
+                    mutations)
     verify(graph, where="capture")
     return graph
+
+
+def _check_state(target: str, tensor: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+    """A buffer updated in ``forward()`` must own its storage: one that shares memory with a parameter
+    or another buffer would see the update through both names, which sextant does not model."""
+    ptr = tensor.untyped_storage().data_ptr()
+    for name, other in tensors.items():
+        if name != target and isinstance(other, torch.Tensor) and other.untyped_storage().data_ptr() == ptr \
+                and tensor.numel() and other.numel():
+            raise UnsupportedOpError([UnsupportedOp("<BUFFER_MUTATION output>", "<graph signature>", "", target,
+                                                    f"the updated buffer {target!r} shares its storage with "
+                                                    f"{name!r}; give it a tensor of its own")])
+
+
+def _mutations(updates: list, b: GraphBuilder, leaves: list[InputLeaf], returned: int) -> list[Mutation]:
+    """The graph's ``Mutation`` records for torch.export's BUFFER_MUTATION / USER_INPUT_MUTATION outputs."""
+    by_name = {n.attr("name"): n for n in b.inputs}
+    leaf_of = {leaf.name: leaf for leaf in leaves}
+    out = []
+    for k, (spec, value) in enumerate(updates):
+        target = spec.target
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            node, kind = by_name[target], "buffer"
+        else:
+            leaf = leaf_of.get(target)
+            if leaf is None or leaf.input_index is None:
+                raise UnsupportedOpError([UnsupportedOp("<USER_INPUT_MUTATION output>", "<graph signature>", "",
+                                                        target, "the updated argument is not a tensor input")])
+            node, kind = b.inputs[leaf.input_index], "input"
+        if not isinstance(value, Node) or value.type != node.type:
+            raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} output>", "<graph signature>", "", target,
+                                                    f"the new value of {target!r} does not match the tensor")])
+        out.append(Mutation(returned + k, node.attr("index"), target, kind))
+    return out
 
 
 def _check_result(node: torch.fx.Node, value: Any, syms: TorchSymbols) -> None:

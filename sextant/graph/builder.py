@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Graph, InputLeaf, Node, make_node
+from sextant.graph.ir import Graph, InputLeaf, Mutation, Node, make_node
 from sextant.graph.symbolic import SymbolicShapeError, SymDim
 
 Operand = Node | int | float | bool
@@ -86,9 +86,9 @@ class GraphBuilder:
         return self.iota((n,), 0, dtype)
 
     def build(self, outputs: Sequence[Node], in_spec: object = None, out_spec: object = None,
-              leaves: Sequence[InputLeaf] = ()) -> Graph:
+              leaves: Sequence[InputLeaf] = (), mutations: Sequence[Mutation] = ()) -> Graph:
         return Graph(self.name, tuple(self.nodes), tuple(self.inputs), tuple(outputs), dict(self.params),
-                     in_spec, out_spec, tuple(leaves))
+                     in_spec, out_spec, tuple(leaves), tuple(mutations))
 
     # -- conversions -----------------------------------------------------------------------
     def cast(self, x: Node, dtype: DType) -> Node:
@@ -222,6 +222,10 @@ class GraphBuilder:
     def concat(self, xs: Sequence[Node], axis: int) -> Node:
         xs = [x for x in xs if x.shape[axis] > 0] or list(xs[:1])
         return xs[0] if len(xs) == 1 else self.emit("concat", list(xs), axis=axis % xs[0].type.rank)
+
+    def scatter(self, x: Node, axis: int, index: Node, src: Node) -> Node:
+        """``x`` with ``src``'s slices along ``axis`` written at positions ``index`` (1-D)."""
+        return self.emit("scatter", [x, index, src], axis=axis % x.type.rank)
 
     def gather(self, x: Node, axis: int, index: Node) -> Node:
         return self.emit("gather", [x, index], axis=axis % x.type.rank)

@@ -99,11 +99,28 @@ class InputLeaf:
 
 
 @dataclass(frozen=True)
+class Mutation:
+    """A tensor the module writes in ``forward()`` (a KV cache, a running statistic, an argument
+    updated in place): graph output ``output`` holds its new value, which the runtime stores into
+    the tensor behind graph input ``input`` after each call — a module buffer named ``target``
+    (``kind="buffer"``: the compiled module passes the live buffer as that input) or the caller's
+    argument ``target`` (``kind="input"``). When the schedule writes the new value into the input's
+    own storage (``graph/passes/in_place_updates.py``) the store is a no-op."""
+
+    output: int
+    input: int
+    target: str
+    kind: str  # "buffer" | "input"
+
+
+@dataclass(frozen=True)
 class Graph:
     """A whole program in graph IR.
 
     ``in_spec``/``out_spec`` are torch pytree specs that rebuild the module's argument and
-    result structure from the flat ``inputs``/``outputs``.
+    result structure from the flat ``inputs``/``outputs``. ``mutations`` name the outputs that are
+    new values of tensors the module updates (after the user's outputs, which ``out_spec`` covers);
+    a mutated buffer is an input past the user's (no leaf names it).
     """
 
     name: str
@@ -114,6 +131,12 @@ class Graph:
     in_spec: Any = None
     out_spec: Any = None
     leaves: tuple[InputLeaf, ...] = ()
+    mutations: tuple[Mutation, ...] = ()
+
+    @property
+    def user_outputs(self) -> tuple[Node, ...]:
+        """The outputs the module returns (the rest are the new values of mutated tensors)."""
+        return self.outputs[:len(self.outputs) - len(self.mutations)]
 
     def __str__(self) -> str:
         from sextant.graph.printer import print_graph

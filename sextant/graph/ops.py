@@ -62,7 +62,7 @@ REDUCE_FNS = frozenset({"sum", "prod", "max", "min"})
 MOVEMENT = frozenset({"reshape", "permute", "expand", "slice", "pad", "concat", "gather"})
 SOURCES = frozenset({"input", "param", "full", "iota"})
 ALL_OPS = (UNARY | BINARY | MOVEMENT | SOURCES
-           | {"where", "cast", "reduce", "matmul", "conv", "extern"})
+           | {"where", "cast", "copy", "reduce", "matmul", "conv", "extern", "scatter"})
 # fmt: on
 
 _FLOAT_ONLY_BINARY = frozenset({"atan2"})
@@ -70,7 +70,7 @@ _INT_ONLY = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", "shl", "shr",
 
 
 def is_elementwise(op: str) -> bool:
-    return op in UNARY or op in BINARY or op in ("where", "cast")
+    return op in UNARY or op in BINARY or op in ("where", "cast", "copy")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -148,6 +148,22 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
         _check(c.dtype == DType.bool, f"where condition must be bool, got {c.dtype.value}")
         _check(a == b and c.shape == a.shape, f"where operands must match: {c}, {a}, {b}")
         return a
+
+    if op == "copy":  # the value itself, in a buffer of its own (what an update in place may overwrite)
+        _check(n == 1, "copy takes 1 operand")
+        return ins[0]
+
+    if op == "scatter":  # ``x`` with ``src``'s slices along ``axis`` written at positions ``index``
+        _check(n == 3, "scatter takes 3 operands (x, index, src)")
+        x, index, src = ins
+        axis = attrs.get("axis")
+        _check(isinstance(axis, int) and 0 <= axis < x.rank, f"scatter axis {axis!r} out of range for {x}")
+        _check(index.rank == 1 and not index.dtype.is_float and index.dtype != DType.bool,
+               f"scatter index must be a 1-D integer tensor, got {index}")
+        want = x.shape[:axis] + (index.shape[0],) + x.shape[axis + 1:]
+        _check(src.dtype == x.dtype and src.shape == want,
+               f"scatter source must be {x.dtype.value}[{','.join(map(str, want))}], got {src}")
+        return x
 
     if op == "cast":
         _check(n == 1, "cast takes 1 operand")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Graph, Node, make_node
+from sextant.graph.ir import Graph, Mutation, Node, make_node
 from sextant.graph.ops import SOURCES, IRTypeError, TensorType
 from sextant.graph.symbolic import Bounds, SymbolicShapeError, parse_dim
 
@@ -26,6 +26,8 @@ _NODE = re.compile(
 )
 _FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)")
 _RETURN = re.compile(r"return \((?P<outs>[^)]*)\)$")
+_UPDATE = re.compile(r"update (?P<dst>%[\w.]+) <- (?P<src>%[\w.]+) "
+                     r"\{(?P<kind>buffer|input)=(?P<target>\"(?:[^\"\\]|\\.)*\")\}$")
 
 
 class ParseError(ValueError):
@@ -118,11 +120,18 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
         inputs.append(node)
     outputs: tuple[Node, ...] | None = None
     param_tensors: dict[str, torch.Tensor] = {}
+    updates: list[tuple[Node, Node, str, str]] = []
     for lineno, line in enumerate(lines[1:], start=2):
         if line == "}":
             break
         if r := _RETURN.match(line):
             outputs = tuple(_lookup(env, o.strip(), lineno) for o in r["outs"].split(",") if o.strip())
+            continue
+        if u := _UPDATE.match(line):
+            dst, src = _lookup(env, u["dst"], lineno), _lookup(env, u["src"], lineno)
+            if dst.op != "input":
+                raise ParseError(f"line {lineno}: {u['dst']} is not a graph input (only inputs are updated)")
+            updates.append((dst, src, u["kind"], json.loads(u["target"])))
             continue
         nm = _NODE.match(line)
         if not nm:
@@ -158,7 +167,11 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
         nodes.append(node)
     if outputs is None:
         raise ParseError("missing 'return (...)'")
-    return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors)
+    mutations = []
+    for dst, src, kind, target in updates:  # the new values follow the returned ones
+        mutations.append(Mutation(len(outputs), dst.attr("index"), target, kind))
+        outputs += (src,)
+    return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors, mutations=tuple(mutations))
 
 
 def _type_at(text: str, bounds: Bounds, lineno: int) -> TensorType:

@@ -7,6 +7,9 @@
       return (%2)
     }
 
+A module that updates a tensor in ``forward()`` (a KV cache buffer) returns its new value after
+its own outputs, and says where it goes: ``update %k_cache <- %9 {buffer="kv.k_cache"}``.
+
 A graph with symbolic sizes (``sextant/graph/symbolic.py``) declares their ranges in its header:
 ``graph @lm(%ids: i64[batch,seq]) where batch in [1, 8], seq in [1, 512] {``.
 
@@ -76,8 +79,11 @@ def print_graph(graph: Graph, *, show_loc: bool = True) -> str:
         names[id(node)] = f"%{counter}"
         counter += 1
         lines.append("  " + format_node(node, names, show_loc=show_loc))
-    outs = ", ".join(names.get(id(o), "%<undefined>") for o in graph.outputs)
+    outs = ", ".join(names.get(id(o), "%<undefined>") for o in graph.user_outputs)
     lines.append(f"  return ({outs})")
+    for m in graph.mutations:  # a value the call stores back: ``update %cache <- %7 {buffer="kv.k"}``
+        new = names.get(id(graph.outputs[m.output]), "%<undefined>")
+        lines.append(f"  update {names[id(graph.inputs[m.input])]} <- {new} {{{m.kind}={json.dumps(m.target)}}}")
     lines.append("}")
     return "\n".join(lines)
 

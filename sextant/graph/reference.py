@@ -78,6 +78,19 @@ def _iota(node: Node) -> torch.Tensor:
     return r.reshape(view).expand(shape).contiguous()
 
 
+def _scatter(node: Node, x: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``src``'s slices written at ``index`` along the axis; a position outside ``x`` is
+    dropped, as the kernels drop it (the runtime refuses such a position first where it can see it:
+    ``graph/position_checks.py``); of repeated positions, the last slice wins."""
+    axis = node.attr("axis")
+    index = index.to(torch.int64)
+    keep = (index >= 0) & (index < x.shape[axis])
+    out = x.clone()
+    if bool(keep.all()):
+        return out.index_copy_(axis, index, src)
+    return out.index_copy_(axis, index[keep], src.index_select(axis, keep.nonzero().flatten()))
+
+
 def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = None) -> torch.Tensor:
     """Evaluate one node given its operand values (``graph`` supplies param tensors)."""
     op = node.op
@@ -89,6 +102,10 @@ def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = No
         return torch.where(args[0], args[1], args[2])
     if op == "cast":
         return args[0].to(node.dtype.torch)
+    if op == "copy":
+        return args[0].clone()
+    if op == "scatter":
+        return _scatter(node, *args)
     if op == "reduce":
         return _reduce(node, args[0])
     if op == "reshape":

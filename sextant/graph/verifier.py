@@ -51,6 +51,16 @@ def verify(graph: Graph, *, where: str = "") -> None:
     for out in graph.outputs:
         if id(out) not in defined:
             fail(out, "is an output but not in the node list")
+    user = len(graph.outputs) - len(graph.mutations)
+    for k, m in enumerate(graph.mutations):
+        if m.output != user + k or not 0 <= m.input < len(graph.inputs):
+            fail(None, f"update of {m.target!r}: output {m.output} / input {m.input} out of place "
+                       f"(the new values follow the {user} returned outputs, in order)")
+        elif graph.outputs[m.output].type != graph.inputs[m.input].type:
+            fail(None, f"update of {m.target!r}: new value {graph.outputs[m.output].type} does not match "
+                       f"the tensor {graph.inputs[m.input].type}")
+    if len({m.input for m in graph.mutations}) != len(graph.mutations):
+        fail(None, "a tensor is updated twice")
     if errors:
         shown = "\n  ".join(errors[:20])
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from sextant.errors import InputError
 from sextant.graph.bind import is_symbolic_graph
 from sextant.graph.ir import Graph
+from sextant.graph.position_checks import position_checks
 
 Executor = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -33,10 +34,15 @@ class CompiledModule:
         self.stages = stages or {}  # per-stage artifacts (e.g. the graph after each pass), for inspection
         # the common call — positional tensors only — is checked without flattening a pytree
         g = graph
-        self._positional = g.in_spec is not None and len(g.leaves) == len(g.inputs) and all(
+        # mutated buffers are inputs after the user's: the module's live tensors (bind_state)
+        self._user_inputs = len(g.inputs) - sum(m.kind == "buffer" for m in g.mutations)
+        self._state: list[torch.Tensor] = []
+        self.full_write_backs = 0  # updates stored back by a copy, not written in place by the program
+        self._position_checks = position_checks(g)
+        self._positional = g.in_spec is not None and len(g.leaves) == self._user_inputs and all(
             leaf.input_index == i for i, leaf in enumerate(g.leaves)) and g.in_spec == pytree.tree_structure(
             (tuple(range(len(g.leaves))), {}))
-        self._expected = [(tuple(n.shape), n.dtype.torch) for n in g.inputs]
+        self._expected = [(tuple(n.shape), n.dtype.torch) for n in g.inputs[:self._user_inputs]]
         # symbolic sizes: the shapes are checked when the executor solves the symbols (graph/bind.py)
         self._symbolic = is_symbolic_graph(g)
 
@@ -59,6 +65,9 @@ class CompiledModule:
         from sextant.errors import ArtifactError
         from sextant.runtime.artifact import save
 
+        if self.graph.mutations:
+            raise ArtifactError("a module that updates buffers or arguments in forward() cannot be saved yet "
+                                "(an artifact holds weights, not live state)")
         if self._symbolic:
             raise ArtifactError("a module with symbolic sizes cannot be saved yet (an artifact holds one "
                                 "static program); compile it without dynamic_shapes to save it")
@@ -126,8 +135,51 @@ class CompiledModule:
                 return f"{label}: expected structure {want}, got {got}"
         return "the arguments' structure differs from the example inputs"
 
+    def bind_state(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The tensors behind the graph's updated buffers (``Mutation.kind == "buffer"``), in input
+        order: the module's own buffers, read and updated by every call as eager ``forward()`` does."""
+        g = self.graph
+        nodes = g.inputs[self._user_inputs:]
+        if len(tensors) != len(nodes):
+            raise InputError(f"expected {len(nodes)} state tensor(s), got {len(tensors)}")
+        for t, node in zip(tensors, nodes):
+            if tuple(t.shape) != node.shape or t.dtype != node.dtype.torch or t.device.type != self.device:
+                raise InputError(f"buffer {node.attr('name')!r}: expected a {self.device} tensor {node.type}, got "
+                                 f"{t.dtype} {list(t.shape)} on {t.device}")
+        self._state = list(tensors)
+
+    def check_positions(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Refuse positions outside the tensor a scatter updates (``graph/position_checks.py``);
+        positions on a GPU are not read back (a sync per call): their kernels drop such writes."""
+        for chk in self._position_checks:
+            pos = inputs[chk.input]
+            if pos.numel() == 0 or pos.device.type != "cpu":
+                continue
+            lo, hi = int(pos.min()), int(pos.max())
+            low = -chk.size if chk.negative else 0
+            if lo < low or hi >= chk.size:
+                bad = lo if lo < low else hi
+                raise InputError(f"argument {chk.name!r}: position {bad} is outside {chk.what}, which has "
+                                 f"{chk.size} positions along the updated dim (allowed: {low}..{chk.size - 1})")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs = self._executor(self.flat_inputs(args, kwargs))
+        g = self.graph
+        if not g.mutations and not self._position_checks:
+            return self._unflatten(self._executor(self.flat_inputs(args, kwargs)))
+        if len(self._state) != len(g.inputs) - self._user_inputs:
+            raise InputError("this module updates buffers in forward(), and has none bound (bind_state)")
+        inputs = self.flat_inputs(args, kwargs)[:self._user_inputs] + self._state
+        self.check_positions(inputs)
+        outs = self._executor(inputs)
+        for m in g.mutations:  # a value the program wrote into the tensor's own storage needs no copy
+            new, dst = outs[m.output], inputs[m.input]
+            if new.data_ptr() != dst.data_ptr() or new.stride() != dst.stride():
+                with torch.no_grad():
+                    dst.copy_(new)
+                self.full_write_backs += 1
+        return self._unflatten(outs[:len(outs) - len(g.mutations)])
+
+    def _unflatten(self, outs: list[torch.Tensor]) -> Any:
         if self.graph.out_spec is None:
             return outs[0] if len(outs) == 1 else tuple(outs)
         return pytree.tree_unflatten(outs, self.graph.out_spec)

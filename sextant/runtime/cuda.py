@@ -372,7 +372,7 @@ class CudaRunner:
                 self._run_launches(addresses, stream, tensors)
             self.stats["calls"] += 1
         # an output that is an input or a weight is returned as a copy, as the module would
-        return [tensors[i] if p.buffers[i].kind == "output" else tensors[i].clone() for i in p.outputs]
+        return [tensors[i].clone() if copy else tensors[i] for i, copy in zip(p.outputs, p.output_copies)]
 
     def _stream(self) -> int:
         """torch's current stream (a raw ``cudaStream_t``), ordered after the previous call's stream."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sextant.schedule.program import Program
+    from sextant.schedule.program import Launch, Program
 
 
 # leaves and pure re-indexing: not work a kernel does (movement ops become index arithmetic)
@@ -18,6 +18,20 @@ def _mib(n: int) -> str:
 
 def _dims(d: tuple[int, int, int]) -> str:
     return "x".join(str(v) for v in (d[:1] if d[1:] == (1, 1) else d[:2] if d[2] == 1 else d))
+
+
+def update_summary(p: Program, launch: Launch) -> str:
+    """What a scatter launch writes, and where: ``in place: 2 of 64 positions along dim 2 of input
+    %k_cache (1.0 KiB of 32.0 KiB)``."""
+    s = p.groups[launch.group].anchor
+    x, index, src = s.inputs
+    buf = p.buffers[launch.args[-1]]
+    where = f"input %{buf.node.attr('name')}" if buf.kind == "input" else f"its {buf.kind} buffer"
+    if x.op == "copy":
+        where += " (a copy of the value it updates: see the notes)"
+    axis = s.attr("axis")
+    return (f"in place: {index.shape[0]} of {s.shape[axis]} positions along dim {axis} of {where} "
+            f"({_mib(src.type.nbytes)} of {_mib(s.type.nbytes)})")
 
 
 def describe_program(p: Program) -> str:
@@ -49,6 +63,8 @@ def describe_program(p: Program) -> str:
                 extra.append(f"ptxas: {r.registers} registers, {block_shared_bytes(k, r.shared_bytes)} B shared, "
                              f"spills {r.spill_stores} B stored / {r.spill_loads} B loaded")
             lines.append(f"        {'; '.join(extra)}")
+        if g.kind == "scatter":
+            lines.append(f"        {update_summary(p, launch)}")
         lines.append(f"        buffers ({args})")
         if locs:
             lines.append(f"        from {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")

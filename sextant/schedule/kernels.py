@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping, Sequence
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
@@ -66,10 +66,17 @@ MICRO_N: int | None = None  # register tile columns (a multiple of the f32 vecto
 
 def external_buffers(group: Group, stored: set[int]) -> list[Node]:
     """Values the kernel reads from memory: graph inputs, params, and other kernels' outputs."""
-    members = {id(m) for m in group.members}
+    return buffers_read(group.members, stored, {id(m) for m in group.members}, group.packed)
+
+
+def buffers_read(roots: Sequence[Node], stored: set[int], members: Container[int] = (),
+                 packed: Mapping[int, Node] | None = None) -> list[Node]:
+    """The buffers computing ``roots`` reads (depth-first, in the order of the operands): graph
+    inputs, params, stored values; ``members`` are computed by the kernel itself, and read the
+    compile-time layouts ``packed`` names instead of the operands they replace."""
     found: list[Node] = []
     seen: set[int] = set()
-    stack = list(reversed(group.members))  # depth-first, in the order of the members' inputs
+    stack = list(reversed(roots))
     while stack:
         n = stack.pop()
         if id(n) in seen:
@@ -77,8 +84,8 @@ def external_buffers(group: Group, stored: set[int]) -> list[Node]:
         seen.add(id(n))
         if id(n) not in members and (is_buffer(n) or id(n) in stored or not inlinable(n)):
             found.append(n)
-        else:  # a member reads compile-time layouts (Group.packed) instead of the operands they replace
-            ins = [group.packed.get(id(i), i) for i in n.inputs] if id(n) in members else n.inputs
+        else:
+            ins = [packed.get(id(i), i) for i in n.inputs] if packed and id(n) in members else n.inputs
             stack.extend(reversed(ins))
     return found
 

@@ -9,6 +9,8 @@ kernel that consumes them (movement ops become index arithmetic). Kernels are an
 - a **matmul** or **convolution**, with its elementwise epilogue (bias, activation, residual);
 - an **attention** ``softmax(f(Q·Kᵀ))·V`` (``attention_match``): both products, the masks and
   the softmax in one kernel, with the second product's epilogue;
+- a **scatter** (an update of a tensor's slices, in place: ``schedule/scatter.py``), alone — its
+  updated operand stored in a buffer the scatter then owns, its slices and positions inlined;
 - a value that must be stored (a graph output, or an elementwise result shared by several
   kernels whose recomputation would be costly) that no anchor absorbed: an elementwise group.
 
@@ -38,7 +40,7 @@ PROLOGUE_OPS_LIMIT = 2  # a matmul/conv operand computed with more ops than this
 
 @dataclass
 class Group:
-    kind: str  # "elementwise" | "reduce" | "matmul" | "conv" | "attention" | "extern"
+    kind: str  # "elementwise" | "reduce" | "matmul" | "conv" | "attention" | "extern" | "scatter"
     anchor: Node  # the node whose iteration space the kernel walks
     members: list[Node] = field(default_factory=list)  # computed in this kernel, topological order
     outputs: list[Node] = field(default_factory=list)  # members stored to memory
@@ -151,11 +153,21 @@ class _Fusion:
                         stored.add(id(operand))
                         self.pinned.add(id(operand))
                 stored.add(id(n))
+            elif n.op == "scatter":  # writes into its operand's buffer, which readers see as its value
+                stored.add(id(n))
+                if not is_buffer(n.inputs[0]):
+                    stored.add(id(n.inputs[0]))
+                    self.pinned.add(id(n.inputs[0]))
 
         for n in graph.nodes:
             if is_buffer(n) or id(n) in group_of:
                 continue
-            if n.op == "extern":
+            if n.op == "scatter":
+                self.new_group("scatter", n)
+                g = self.group_of[id(n)]
+                if n.attr("note"):
+                    g.notes.append(n.attr("note"))
+            elif n.op == "extern":
                 key = call_key(n)
                 if key in extern_calls:
                     self.add(extern_calls[key], n)

@@ -19,6 +19,7 @@ import torch
 from sextant.errors import InputError
 from sextant.graph.bind import solve
 from sextant.graph.ir import Graph, Node
+from sextant.graph.passes.in_place_updates import in_place_updates
 from sextant.graph.reference import eval_node
 from sextant.graph.symbolic import Bounds, Dim, graph_symbols, substitute
 from sextant.kernel import simplify_kernel, verify_kernel
@@ -28,8 +29,9 @@ from sextant.schedule import memory
 from sextant.schedule.attention import attention_kernel, attention_refusal
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
-from sextant.schedule.kernels import MAPPINGS, external_buffers
+from sextant.schedule.kernels import MAPPINGS, buffers_read, external_buffers
 from sextant.schedule.partition import Group, partition
+from sextant.schedule.scatter import scatter_kernel
 from sextant.schedule.split_k import split_k
 from sextant.schedule.target import TargetDesc
 from sextant.work import WorkCounter
@@ -210,6 +212,14 @@ class Program:
         return sorted(seen.values(), key=position.__getitem__)
 
     @functools.cached_property
+    def output_copies(self) -> tuple[bool, ...]:
+        """Per graph output, whether a runner returns a copy of its buffer: an input or a weight returned
+        as itself is copied, as the module would return a new tensor — but not the new value of a tensor
+        the call updates (``graph.ir.Mutation``), which is that tensor, written in place."""
+        updated = {m.output for m in self.graph.mutations}
+        return tuple(self.buffers[i].kind != "output" and k not in updated for k, i in enumerate(self.outputs))
+
+    @functools.cached_property
     def _position(self) -> dict[Node, int]:
         """Graph order of every node, so a launch's nodes are sorted, not found by a scan of the graph."""
         return {n: i for i, n in enumerate(self.graph.nodes)}
@@ -284,6 +294,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     fusion and kernel generation did."""
     work = work if work is not None else WorkCounter()
     bounds = graph_symbols(graph)
+    graph = in_place_updates(graph)  # every scatter then owns its operand's buffer (idempotent)
     split_notes: list[str] = []
     if not target.is_gpu:
         graph = explicit_padding(graph)
@@ -314,7 +325,8 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         if n.op == "param":
             constants[buffer(n, "param")] = graph.params[n.attr("name")]
     graph_outputs = {id(o) for o in graph.outputs}
-    mappings = {**(GPU_MAPPINGS if target.is_gpu else MAPPINGS), "attention": attention_kernel}
+    mappings = {**(GPU_MAPPINGS if target.is_gpu else MAPPINGS), "attention": attention_kernel,
+                "scatter": scatter_kernel}
     unique: dict[tuple, str] = {}
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []
@@ -340,6 +352,9 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
                 kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds, work)
                 work.add("kernels: finished")
             reads, writes, blocks = external_buffers(g, stored), g.outputs, launch_blocks(k)
+            if g.kind == "scatter":  # it writes the slices into its operand's buffer, reads what computes them
+                reads = buffers_read(g.anchor.inputs[1:], stored)
+                _alias_update(g.anchor, buffers, index_of, graph_outputs)
         ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in reads]
         outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in writes]
         launches.append(Launch(name, gi, tuple(ins + outs), blocks, call))
@@ -358,6 +373,19 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     constants = {k: v for k, v in constants.items() if k in used}
     return Program(graph, target, groups, kernels, launches, buffers, outputs, arena, constants, notes,
                    work=work, rewrites=split_notes, symbols=bounds)
+
+
+def _alias_update(s: Node, buffers: list[BufferInfo], index_of: dict[int, int], graph_outputs: set[int]) -> None:
+    """Scatter ``s`` gets the buffer of the operand it updates (``graph/passes/in_place_updates``
+    proved it the scatter's); a temporary that is thereby returned becomes an output buffer."""
+    x = s.inputs[0]
+    if id(x) not in index_of or id(s) in index_of:
+        raise AssertionError(f"scatter at {s.loc or '?'}: its operand has no buffer yet, or it has one already")
+    i = index_of[id(s)] = index_of[id(x)]
+    if buffers[i].kind == "temp" and id(s) in graph_outputs:
+        buffers[i] = dataclasses.replace(buffers[i], kind="output")
+    elif buffers[i].kind == "param":
+        raise AssertionError(f"scatter at {s.loc or '?'} would overwrite a weight")
 
 
 def extern_call(g: Group) -> ExternCall:

@@ -1,10 +1,13 @@
-"""Lowerings of scatters (scatter, scatter_reduce, index_put, put, index_reduce) as one-hot reductions.
+"""Lowerings of scatters (scatter, scatter_reduce, index_put, index_copy, put, index_reduce).
 
-There is no scatter primitive. Along the scattered dim, output position p combines every
-source element k whose index is p: the lowering compares the index with every position
-(a [P, K] match mask per row), masks the source values with ``where`` and reduces over K.
-That costs P·K per row instead of K — fine for the reference executor and small index sets
-(a KV-cache update writes one row); a scatter primitive would make it linear.
+Whole slices written at positions along one dim — ``x[:, :, pos] = v``, ``x.index_copy_(d, pos, v)``,
+a KV-cache update — become the graph's ``scatter`` primitive: linear in what is written, and
+written in place where ``graph/passes/in_place_updates.py`` proves it safe.
+
+Every other scatter (per-element indices, reductions, several indexed dims) is a one-hot
+reduction: along the scattered dim, output position p combines every source element k whose
+index is p — the lowering compares the index with every position (a [P, K] match mask per
+row), masks the source values with ``where`` and reduces over K. That costs P·K per row.
 """
 
 from __future__ import annotations
@@ -148,14 +151,36 @@ def _put(ctx: LoweringContext, x: Node, index: Node, source: Node, accumulate: b
     return b.reshape(out, x.shape)
 
 
+def slices_put(b: GraphBuilder, x: Node, dim: int, index: Node, values: Node) -> Node:
+    """``x`` with slice ``values[.., k, ..]`` written at position ``index[k]`` along ``dim`` (``index``
+    0-D or 1-D, negative positions counted from the end; ``values`` broadcast to the slices)."""
+    dim %= x.type.rank
+    k = index.type.numel
+    pos = b.reshape(_wrap(b, index, x.shape[dim]), (k,))
+    shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
+    if index.type.rank == 0 and values.type.rank < x.type.rank:  # x[.., i, ..] = v: v's slice lacks the dim
+        values = b.reshape(b.broadcast_to(values, x.shape[:dim] + x.shape[dim + 1:]), shape)
+    return b.scatter(x, dim, pos, b.cast(b.broadcast_to(values, shape), x.dtype))
+
+
+@lower(aten.index_copy.default)
+def _index_copy(ctx: LoweringContext, x: Node, dim: int, index: Node, source: Node) -> Node:
+    if x.type.rank == 0:
+        return ctx.b.reshape(slices_put(ctx.b, ctx.b.reshape(x, (1,)), 0, index, source), ())
+    return slices_put(ctx.b, x, dim, index, source)
+
+
 @lower(aten.index_put.default, aten._unsafe_index_put.default)
 def _index_put(ctx: LoweringContext, x: Node, indices, values: Node, accumulate: bool = False) -> Node:
-    """``x[indices] = values`` (or ``+=``): linearise the indexed dims, then scatter along them."""
+    """``x[indices] = values`` (or ``+=``): whole slices at positions along one dim are a ``scatter``;
+    otherwise linearise the indexed dims, then scatter along them as a one-hot reduction."""
     b = ctx.b
     rank = x.type.rank
     pos = [d for d, ix in enumerate(indices) if ix is not None]
     if any(indices[d].dtype == DType.bool for d in pos):
         return _mask_put(ctx, x, pos, indices, values, accumulate)
+    if len(pos) == 1 and not accumulate and indices[pos[0]].type.rank <= 1 and rank > 0:
+        return slices_put(b, x, pos[0], indices[pos[0]], values)
     idx = b.broadcast(*(indices[d] for d in pos))
     bshape, nb = idx[0].shape, idx[0].type.rank
     rest = [d for d in range(rank) if d not in pos]

@@ -18,6 +18,7 @@ from sextant.graph.ir import Graph
 from sextant.graph.passes.constant_fold import constant_fold
 from sextant.graph.passes.cse import cse
 from sextant.graph.passes.dce import dce
+from sextant.graph.passes.in_place_updates import in_place_updates
 from sextant.graph.passes.simplify import simplify
 from sextant.graph.printer import print_graph
 from sextant.graph.verifier import verify
@@ -45,10 +46,17 @@ PASSES: dict[str, Pass] = {p.name: p for p in [
     Pass("constant_fold", constant_fold, "evaluate ops on constants into full or folded.<n> params"),
     Pass("cse", cse, "merge structurally identical nodes"),
     Pass("dce", dce, "drop nodes no output depends on, and unreferenced params"),
+    Pass("in_place_updates", in_place_updates,
+         "let each scatter write into its operand's buffer where that is safe; copy the operand where not"),
 ]}
 
 PIPELINES: dict[str, list[str]] = {
     "default": ["simplify", "constant_fold", "cse", "dce"],
+}
+# passes a named pipeline runs once, after its rounds reach a fixed point (rewrites such as CSE
+# would otherwise merge the copies in_place_updates makes, and it would make them again)
+FINALLY: dict[str, list[str]] = {
+    "default": ["in_place_updates"],
 }
 
 DEFAULT_MAX_ROUNDS = 8
@@ -97,6 +105,12 @@ def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rou
             graph = new
         if not round_changed:
             break
+    for p in [PASSES[n] for n in FINALLY.get(pipeline, [])] if isinstance(pipeline, str) else []:
+        new = p.fn(graph)
+        if verify_each:
+            verify(new, where=f"pass '{p.name}'")
+        yield PassResult(p.name, new, len(graph.nodes), len(new.nodes), not same_graph(graph, new))
+        graph = new
 
 
 def run_pipeline(graph: Graph, pipeline: str | Sequence[str] = "default", *, verify: bool = True,

@@ -1,0 +1,133 @@
+"""``scatter`` kernels: write ``src``'s slices into the updated tensor's own buffer, in place.
+
+The graph pass ``in_place_updates`` has proved (or made, with a ``copy``) the updated operand's
+buffer the scatter's to overwrite, and the schedule gives the scatter node that very buffer. So
+the kernel walks ``src`` only — one decode token's K/V rows, not the cache — and stores each
+element at its position along the axis; nothing else of the buffer is touched.
+
+A position outside the tensor is never written: the store is guarded (``0 <= k < n``), and its
+index is clamped too, so the verifier sees every store in bounds. (The runtime refuses such a
+position before the launch where it can see it: ``graph/position_checks.py``.) Of repeated positions
+one slice wins, unspecified which — as with torch's ``index_copy_`` and ``index_put_``.
+
+- CPU: a block walks a chunk of ``src``'s rows (all dims but the last); when the axis is not the
+  last dim, the row's position is loaded and checked once per row and the row is one contiguous
+  store loop.
+- GPU: one thread per element of ``src``, consecutive threads along its last dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.graph.symbolic import Dim
+from sextant.kernel.ir import INDEX, Binary, Buffer, Cast, Expr, If, Kernel, Store
+from sextant.kernel.sizes import capacity, with_grid
+from sextant.schedule.indexing import (
+    Index,
+    ValueEmitter,
+    c,
+    delinearize,
+    divisible,
+    iadd,
+    imul,
+    linearize,
+    may_be_nonzero,
+)
+from sextant.schedule.kernels import _chunks, _loop, _row_loop, buffers_read
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+
+def scatter_params(group: Group, stored: set[int]) -> tuple[ValueEmitter, list[Buffer], list[Node]]:
+    """``in0..`` for what the positions and the slices read, ``out0`` for the updated buffer (which
+    the kernel writes, never reads: the schedule passes the updated operand's buffer)."""
+    s = group.anchor
+    ins = buffers_read(s.inputs[1:], stored)
+    names = {id(n): f"in{k}" for k, n in enumerate(ins)}
+    params = [Buffer(f"in{k}", n.dtype, n.type.numel, "global", "in") for k, n in enumerate(ins)]
+    params.append(Buffer("out0", s.dtype, s.type.numel, "global", "out"))
+    return ValueEmitter(names), params, ins
+
+
+def _position(e: ValueEmitter, index: Node, i: Expr, n: Dim) -> tuple[Expr, Expr]:
+    """Position ``index[i]`` clamped into ``[0, n)``, and whether it was inside."""
+    raw = e.value(index, (i,))
+    k = e.bind(raw if index.dtype == INDEX else Cast(raw, INDEX), "k")
+    inside = e.bind(Binary("bitwise_and", Binary("ge", k, c(0), DType.bool), Binary("lt", k, c(n), DType.bool),
+                           DType.bool), "inb")
+    clamped = e.bind(Binary("minimum", Binary("maximum", k, c(0), INDEX), iadd(c(n), c(-1)), INDEX), "k")
+    return clamped, inside
+
+
+def _store(e: ValueEmitter, s: Node, idx: Index, k: Expr) -> None:
+    axis = s.attr("axis")
+    src = s.inputs[2]
+    at = idx[:axis] + (k,) + idx[axis + 1:]
+    e.emit(Store("out0", linearize(at, s.shape), e.value(src, idx)))
+
+
+def cpu_scatter_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    s = group.anchor
+    x, index, src = s.inputs
+    axis, n = s.attr("axis"), x.shape[s.attr("axis")]
+    e, params, _ = scatter_params(group, stored)
+    shape = src.shape
+    inner = shape[-1]
+    rows = math.prod(shape[:-1])
+    blocks, per = _chunks(rows, target, inner)
+
+    def row(r: Expr) -> None:
+        outer = delinearize(r, shape[:-1])
+        if axis < len(shape) - 1:  # one position per row: checked once, the row stored contiguously
+            k, inside = _position(e, index, outer[axis], n)
+            with e.scope() as body:
+                _loop(e, inner, lambda j: _store(e, s, outer + (j,), k))
+            e.emit(If(inside, tuple(body)))
+            return
+
+        def elem(j: Expr) -> None:
+            k, inside = _position(e, index, j, n)
+            with e.scope() as body:
+                _store(e, s, outer + (j,), k)
+            e.emit(If(inside, tuple(body)))
+
+        _loop(e, inner, elem)
+
+    if may_be_nonzero(src.type.numel):
+        _row_loop(e, rows, per, row)
+    meta = {"mapping": "scatter-rows", "in_place": True}
+    return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), meta=meta)
+
+
+def gpu_scatter_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    from sextant.schedule.gpu_kernels import BID_X, ELEMENTWISE_THREADS, TID_X, _bool, _guarded, _threads_for
+
+    s = group.anchor
+    x, index, src = s.inputs
+    axis, n = s.attr("axis"), x.shape[s.attr("axis")]
+    e, params, _ = scatter_params(group, stored)
+    numel = src.type.numel
+    threads = _threads_for(capacity(numel), target, ELEMENTWISE_THREADS)
+    blocks = -(-numel // threads)
+    if may_be_nonzero(numel):
+        i = e.bind(iadd(imul(BID_X, threads), TID_X), "i")
+
+        def body() -> None:
+            idx = delinearize(i, src.shape)
+            k, inside = _position(e, index, idx[axis], n)
+            with e.scope() as then:
+                _store(e, s, idx, k)
+            e.emit(If(inside, tuple(then)))
+
+        _guarded(e, None if divisible(numel, threads) else _bool("lt", i, c(numel)), body)
+    meta = {"mapping": "scatter-thread-per-element", "in_place": True}
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (threads, 1, 1), tuple(e.stmts), meta=meta),
+                     (blocks, 1, 1))
+
+
+def scatter_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
+    """The target's scatter mapping (module docstring)."""
+    return (gpu_scatter_kernel if target.is_gpu else cpu_scatter_kernel)(group, stored, target, name)
