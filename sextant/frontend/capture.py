@@ -42,14 +42,30 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | Non
         raise ExportError(
             f"torch.export could not capture {type(module).__name__}: {type(e).__name__}: {first}\n"
             "sextant needs a graph that torch.export can trace (no data-dependent Python control flow, "
-            "tensor or pytree outputs). The original error is attached as __cause__."
+            f"tensor or pytree outputs).{_aliasing_hint(module)} The original error is attached as __cause__."
         ) from e
     try:
         with warnings.catch_warnings():  # torch's own deepcopy of its treespecs trips its own deprecation
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
             return ep.run_decompositions(decomposition_table())
     except Exception as e:
-        raise ExportError(f"Core ATen decomposition failed: {type(e).__name__}: {e}") from e
+        raise ExportError(f"Core ATen decomposition failed: {type(e).__name__}: {e}{_aliasing_hint(module)}") from e
+
+
+def _aliasing_hint(module: torch.nn.Module) -> str:
+    """A likely cause of torch's failure to capture: a buffer sharing storage with a parameter (or
+    another buffer), which torch cannot trace when ``forward()`` updates it."""
+    seen: dict[int, str] = {}
+    for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in items:
+            if t is None or t.numel() == 0:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen and kind == "buffer":
+                return (f"\nThe buffer {name!r} shares its storage with {seen[ptr]}: if forward() updates it, "
+                        "give it a tensor of its own (e.g. .clone()).")
+            seen.setdefault(ptr, f"{kind} {name!r}")
+    return ""
 
 
 def decomposition_table() -> dict[torch._ops.OperatorBase, Callable[..., Any]]:

@@ -351,6 +351,8 @@ class ValueEmitter:
             return Cast(idx[n.attr("axis")], dt) if dt != INDEX else idx[n.attr("axis")]
         if op in UNARY:
             return Unary(op, (yield n.inputs[0], idx), dt)
+        if op == "copy":  # the value itself (only its buffer is its own: see in_place_updates)
+            return (yield n.inputs[0], idx)
         if op in BINARY:
             a = yield n.inputs[0], idx
             b = yield n.inputs[1], idx

@@ -151,12 +151,13 @@ def _put(ctx: LoweringContext, x: Node, index: Node, source: Node, accumulate: b
     return b.reshape(out, x.shape)
 
 
-def slices_put(b: GraphBuilder, x: Node, dim: int, index: Node, values: Node) -> Node:
+def slices_put(b: GraphBuilder, x: Node, dim: int, index: Node, values: Node, negative: bool = True) -> Node:
     """``x`` with slice ``values[.., k, ..]`` written at position ``index[k]`` along ``dim`` (``index``
-    0-D or 1-D, negative positions counted from the end; ``values`` broadcast to the slices)."""
+    0-D or 1-D, ``negative`` positions counted from the end as index_put does — index_copy refuses
+    them; ``values`` broadcast to the slices)."""
     dim %= x.type.rank
     k = index.type.numel
-    pos = b.reshape(_wrap(b, index, x.shape[dim]), (k,))
+    pos = b.reshape(_wrap(b, index, x.shape[dim]) if negative else b.cast(index, DType.i64), (k,))
     shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
     if index.type.rank == 0 and values.type.rank < x.type.rank:  # x[.., i, ..] = v: v's slice lacks the dim
         values = b.reshape(b.broadcast_to(values, x.shape[:dim] + x.shape[dim + 1:]), shape)
@@ -166,8 +167,8 @@ def slices_put(b: GraphBuilder, x: Node, dim: int, index: Node, values: Node) ->
 @lower(aten.index_copy.default)
 def _index_copy(ctx: LoweringContext, x: Node, dim: int, index: Node, source: Node) -> Node:
     if x.type.rank == 0:
-        return ctx.b.reshape(slices_put(ctx.b, ctx.b.reshape(x, (1,)), 0, index, source), ())
-    return slices_put(ctx.b, x, dim, index, source)
+        return ctx.b.reshape(slices_put(ctx.b, ctx.b.reshape(x, (1,)), 0, index, source, False), ())
+    return slices_put(ctx.b, x, dim, index, source, negative=False)
 
 
 @lower(aten.index_put.default, aten._unsafe_index_put.default)
