@@ -187,7 +187,7 @@ class AliasedBuffer(torch.nn.Module):
 
 
 def test_buffer_sharing_a_parameter_is_refused_with_its_name():
-    with pytest.raises((UnsupportedOpError, ExportError), match="'shadow' shares its storage with .*'w'"):
+    with pytest.raises((UnsupportedOpError, ExportError), match=r"'shadow' shares its storage with .*'w'"):
         sextant.compile(AliasedBuffer(), (torch.randn(4, 1), torch.tensor([0])), target="cpu", cache=False)
 
 
