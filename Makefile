@@ -52,3 +52,4 @@ clean:
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.bench
 	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.dynamic_bench --markdown docs/benchmarks.md
+	$(BIN)/python -m sextant.tools.decode_bench
