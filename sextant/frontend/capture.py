@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 from collections.abc import Callable, Mapping
@@ -183,7 +184,7 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
 
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     results = out_node.args[0]
-    outputs, updates = [], []
+    outputs, updates, constants = [], [], []
     for spec, r in zip(sig.output_specs, results):
         value = env[r.name] if isinstance(r, torch.fx.Node) else r
         if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
@@ -192,6 +193,9 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} output>", "<graph signature>", "", "",
                                                     "only returned tensors and updated buffers or inputs")])
+        if isinstance(value, (int, float, bool)) or value is None:  # a size torch.export computed: a constant
+            constants.append((len(outputs) + len(constants), value))
+            continue
         if not isinstance(value, Node):
             raise UnsupportedOpError([UnsupportedOp("<non-tensor output>", "<graph signature>", "", "",
                                                     f"output {value!r} is not a tensor")])
@@ -199,6 +203,8 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
     mutations = _mutations(updates, b, leaves, len(outputs))
     graph = b.build(outputs + [v for _, v in updates], ep.call_spec.in_spec, ep.call_spec.out_spec, leaves,
                     mutations)
+    if constants:
+        graph = dataclasses.replace(graph, constant_outputs=tuple(constants))
     verify(graph, where="capture")
     return graph
 

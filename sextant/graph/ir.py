@@ -132,6 +132,9 @@ class Graph:
     out_spec: Any = None
     leaves: tuple[InputLeaf, ...] = ()
     mutations: tuple[Mutation, ...] = ()
+    # returned values that are not tensors, as (position among the returned values, value): an int
+    # torch.export computed from static sizes (``out_spec`` counts them; ``outputs`` does not)
+    constant_outputs: tuple[tuple[int, int | float | bool | None], ...] = ()
 
     @property
     def user_outputs(self) -> tuple[Node, ...]:

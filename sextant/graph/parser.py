@@ -119,13 +119,17 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
         nodes.append(node)
         inputs.append(node)
     outputs: tuple[Node, ...] | None = None
+    constants: tuple = ()
     param_tensors: dict[str, torch.Tensor] = {}
     updates: list[tuple[Node, Node, str, str]] = []
     for lineno, line in enumerate(lines[1:], start=2):
         if line == "}":
             break
         if r := _RETURN.match(line):
-            outputs = tuple(_lookup(env, o.strip(), lineno) for o in r["outs"].split(",") if o.strip())
+            returned = [o.strip() for o in r["outs"].split(",") if o.strip()]
+            constants = tuple((k, None if o == "none" else parse_attr(o)) for k, o in enumerate(returned)
+                              if not o.startswith("%"))
+            outputs = tuple(_lookup(env, o, lineno) for o in returned if o.startswith("%"))
             continue
         if u := _UPDATE.match(line):
             dst, src = _lookup(env, u["dst"], lineno), _lookup(env, u["src"], lineno)
@@ -171,7 +175,8 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
     for dst, src, kind, target in updates:  # the new values follow the returned ones
         mutations.append(Mutation(len(outputs), dst.attr("index"), target, kind))
         outputs += (src,)
-    return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors, mutations=tuple(mutations))
+    return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors, mutations=tuple(mutations),
+                 constant_outputs=constants)
 
 
 def _type_at(text: str, bounds: Bounds, lineno: int) -> TensorType:

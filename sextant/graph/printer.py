@@ -79,7 +79,10 @@ def print_graph(graph: Graph, *, show_loc: bool = True) -> str:
         names[id(node)] = f"%{counter}"
         counter += 1
         lines.append("  " + format_node(node, names, show_loc=show_loc))
-    outs = ", ".join(names.get(id(o), "%<undefined>") for o in graph.user_outputs)
+    returned = [names.get(id(o), "%<undefined>") for o in graph.user_outputs]
+    for pos, value in graph.constant_outputs:  # a value torch.export computed from static sizes
+        returned.insert(pos, "none" if value is None else format_attr(value))
+    outs = ", ".join(returned)
     lines.append(f"  return ({outs})")
     for m in graph.mutations:  # a value the call stores back: ``update %cache <- %7 {buffer="kv.k"}``
         new = names.get(id(graph.outputs[m.output]), "%<undefined>")

@@ -75,10 +75,16 @@ class CompiledModule:
 
     def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Validate a call and return the tensors for the graph inputs, in order."""
-        if self._positional and not kwargs and len(args) == len(self._expected) and all(
-                type(a) is torch.Tensor and a.shape == s and a.dtype == d and a.device.type == self.device
-                for a, (s, d) in zip(args, self._expected)):
-            return list(args)
+        expected = self._expected
+        if self._positional and not kwargs and len(args) == len(expected):
+            # a loop, and is_cpu rather than device.type (which builds a device object): ~0.7 µs a call, not 1.4
+            cpu = self.device == "cpu"
+            for a, (s, d) in zip(args, expected):
+                if type(a) is not torch.Tensor or a.shape != s or a.dtype != d or not (
+                        a.is_cpu if cpu else a.device.type == self.device):
+                    break
+            else:
+                return list(args)
         g = self.graph
         if g.in_spec is None:
             leaves, spec = list(args) + list(kwargs.values()), None
@@ -180,6 +186,10 @@ class CompiledModule:
         return self._unflatten(outs[:len(outs) - len(g.mutations)])
 
     def _unflatten(self, outs: list[torch.Tensor]) -> Any:
+        if self.graph.constant_outputs:  # values torch.export computed from the static sizes
+            outs = list(outs)
+            for pos, value in self.graph.constant_outputs:
+                outs.insert(pos, value)
         if self.graph.out_spec is None:
             return outs[0] if len(outs) == 1 else tuple(outs)
         return pytree.tree_unflatten(outs, self.graph.out_spec)
