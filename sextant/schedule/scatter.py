@@ -23,7 +23,7 @@ import math
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 from sextant.graph.symbolic import Dim
-from sextant.kernel.ir import INDEX, Binary, Buffer, Cast, Expr, If, Kernel, Store
+from sextant.kernel.ir import INDEX, Binary, Buffer, Cast, Const, Expr, If, Kernel, Store
 from sextant.kernel.sizes import capacity, with_grid
 from sextant.schedule.indexing import (
     Index,
@@ -53,11 +53,14 @@ def scatter_params(group: Group, stored: set[int]) -> tuple[ValueEmitter, list[B
 
 
 def _position(e: ValueEmitter, index: Node, i: Expr, n: Dim) -> tuple[Expr, Expr]:
-    """Position ``index[i]`` clamped into ``[0, n)``, and whether it was inside."""
-    raw = e.value(index, (i,))
-    k = e.bind(raw if index.dtype == INDEX else Cast(raw, INDEX), "k")
-    inside = e.bind(Binary("bitwise_and", Binary("ge", k, c(0), DType.bool), Binary("lt", k, c(n), DType.bool),
-                           DType.bool), "inb")
+    """Position ``index[i]`` clamped into ``[0, n)``, and whether it was inside (checked in the
+    index's own type, before it narrows to the kernel's 32-bit indices)."""
+    raw = e.bind(e.value(index, (i,)), "p")
+    dt = index.dtype
+    size = c(n) if dt == INDEX else Cast(c(n), dt)
+    inside = e.bind(Binary("bitwise_and", Binary("ge", raw, Const(0, dt), DType.bool),
+                           Binary("lt", raw, size, DType.bool), DType.bool), "inb")
+    k = raw if dt == INDEX else Cast(raw, INDEX)
     clamped = e.bind(Binary("minimum", Binary("maximum", k, c(0), INDEX), iadd(c(n), c(-1)), INDEX), "k")
     return clamped, inside
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import sextant
 from sextant.examples import EXAMPLES, TinyBlock
@@ -572,7 +573,58 @@ def snippet_dynamic_kernel() -> str:
     return print_kernel(reduce)
 
 
+class CachedAttention(nn.Module):
+    """One attention head group with a KV cache: the decode step of docs/runtime.md ("Updates in place")."""
+
+    def __init__(self, dim: int = 16, slots: int = 32) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.register_buffer("k_cache", torch.zeros(1, 2, slots, dim // 2))
+        self.register_buffer("v_cache", torch.zeros(1, 2, slots, dim // 2))
+        self.register_buffer("mask", torch.ones(slots, slots, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, 2, d // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        self.k_cache[:, :, pos] = k
+        self.v_cache[:, :, pos] = v
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=self.mask[None, None, pos])
+        return out.transpose(1, 2).reshape(b, s, d)
+
+
+@functools.cache
+def _cached_attention() -> sextant.CompiledModule:
+    torch.manual_seed(0)
+    model, eager = CachedAttention(), CachedAttention()
+    eager.load_state_dict(model.state_dict())
+    compiled = sextant.compile(model, (torch.randn(1, 1, 16), torch.tensor([0])), target="cpu", cache=False)
+    for t in range(3):  # a few decode steps, checked against eager, buffers included
+        x = torch.randn(1, 1, 16)
+        torch.testing.assert_close(compiled(x, torch.tensor([t])), eager(x, torch.tensor([t])))
+    torch.testing.assert_close(model.k_cache, eager.k_cache)
+    assert compiled.full_write_backs == 0
+    return compiled
+
+
+def snippet_kv_graph() -> str:
+    return _relative(str(_cached_attention().graph))
+
+
+def snippet_kv_schedule() -> str:
+    return _relative(_cached_attention().stages["program"].describe())
+
+
+def snippet_kv_kernel() -> str:
+    from sextant.kernel.printer import print_kernel
+
+    program = _cached_attention().stages["program"]
+    return print_kernel(next(k for name, k in program.kernels.items() if name.startswith("scatter")))
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "kv-graph": snippet_kv_graph,
+    "kv-schedule": snippet_kv_schedule,
+    "kv-kernel": snippet_kv_kernel,
     "dynamic-captured": snippet_dynamic_captured,
     "dynamic-kernel": snippet_dynamic_kernel,
     "dynamic-calls": snippet_dynamic_calls,
