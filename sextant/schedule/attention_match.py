@@ -47,6 +47,9 @@ class Attention:
     guarded: bool  # a row the mask hides entirely gives 0 (else NaN, as softmax of all -inf)
     members: tuple[Node, ...]
     causal: bool = False  # the logits hide every key j > query i: later key tiles can be skipped
+    # boolean conditions of Z's rows: where one is false, the logit is -inf (``where(c, x, -inf)``
+    # at the top of Z's chain), so a key tile that every row hides contributes exactly nothing
+    masks: tuple[Node, ...] = ()
 
     @property
     def q(self) -> Node:
@@ -200,7 +203,25 @@ def _match(out: Node, div: Node, above: list[Node], guard_max: Node | None, user
                            "outside the attention")
     order = sorted(members.values(), key=pos.__getitem__)
     return Attention(scores, z, m, e, s, out.inputs[0], out, guard_max is not None, tuple(order),
-                     any(_causal_where(n) or _causal_table(n, params) for n in path))
+                     any(_causal_where(n) or _causal_table(n, params) for n in path), _hiding_masks(z, path))
+
+
+def _hiding_masks(z: Node, path: list[Node]) -> tuple[Node, ...]:
+    """The conditions ``c`` of ``where(c, x, -inf)`` at the top of ``Z``'s chain (under nothing but
+    more such wheres, casts and batch reshapes, which keep -inf as it is) that do not depend on the
+    scores: where ``c`` is false the logit is -inf, whatever the score."""
+    on_path = {id(n) for n in path}
+    masks, x = [], z
+    while id(x) in on_path:
+        if x.op == "where" and _is_full(x.inputs[2], -math.inf) and id(x.inputs[0]) not in on_path \
+                and not _reads_matmul(x.inputs[0]):
+            masks.append(x.inputs[0])
+            x = x.inputs[1]
+        elif (x.op == "cast" and x.dtype.is_float) or _batch_reshape(x):
+            x = x.inputs[0]
+        else:
+            break
+    return tuple(masks)
 
 
 def _iota_axis(n: Node) -> int | None:

@@ -19,7 +19,8 @@ end (0 for a fully masked row when the graph asks for it). What makes it fast on
 
 Keys past the end are read as the last key and masked (their values staged as 0); rows past the
 end are computed from the last row and never stored. A causal mask stops each row block at its
-diagonal tile.
+diagonal tile; a tile that a boolean mask hides from every row of the block (``Attention.masks``:
+a decode step's keys past its position, padding) is skipped after one pass over the mask.
 """
 
 from __future__ import annotations
@@ -248,9 +249,41 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
             e.emit(Store("mb", r, m_new))
             e.emit(Store("cb", r, corr))
 
+        def visible(j0: Var) -> Expr:
+            """Whether any row of the block sees a key of the tile (``att.masks``): a tile all
+            its rows hide adds exp(-inf) = 0 to every sum and is skipped — a decode step's keys
+            past its position, padding."""
+            seen = e.var("seen", DType.bool)
+            e.emit(Assign(seen, Const(False, DType.bool)))
+
+            def row(r: Var) -> None:
+                i = row_of(r)
+
+                def key(jj: Var) -> None:
+                    j = e.bind(iadd(j0, jj), "j")
+                    jc = e.bind(imin(j, c(n_kv - 1)), "jc") if ragged_kv else j
+                    shown: Expr = Const(True, DType.bool)
+                    for mask in att.masks:
+                        cond = e.value(mask, at(mask, bl, i, jc))
+                        shown = cond if isinstance(shown, Const) else Binary("bitwise_and", shown, cond, DType.bool)
+                    if ragged_kv:
+                        shown = Binary("bitwise_and", shown, Binary("lt", j, c(n_kv), DType.bool), DType.bool)
+                    e.emit(Assign(seen, Binary("bitwise_or", seen, shown, DType.bool)))
+
+                loop(tile, key, "jj")
+
+            loop(br, row, "r")
+            return seen
+
         j0 = e.var("j0")
         with e.scope() as body:
-            kv_tile(j0)
+            if att.masks:
+                cond = visible(j0)
+                with e.scope() as work:
+                    kv_tile(j0)
+                e.emit(If(cond, tuple(work)))
+            else:
+                kv_tile(j0)
         # causal: the block's last query is i0 + br - 1, so keys from i0 + br on are all masked
         stop = e.bind(imin(iadd(i0, c(br)), c(n_kv)), "kend") if att.causal else c(n_kv)
         e.emit(For(j0, c(0), stop, tile, tuple(body)))
@@ -279,5 +312,5 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
 
     blocks, per = _chunks(blocks_total, target, 2 * br * n_kv * (dim + dim_v))
     _row_loop(e, blocks_total, per, row_block)
-    meta = {"mapping": "attention-cpu-flash", "rows": br, "kv_tile": tile}
+    meta = {"mapping": "attention-cpu-flash", "rows": br, "kv_tile": tile, "skips_hidden_tiles": bool(att.masks)}
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=local, meta=meta)
