@@ -73,8 +73,8 @@ def node_flops(n: Node) -> int:
         return n.inputs[0].type.numel - n.type.numel
     if n.op in UNARY or n.op in BINARY or n.op == "where":
         return n.type.numel
-    if n.op in FREE_OPS or n.op == "extern":  # an extern op's work is not modelled: its bytes are counted
-        return 0
+    if n.op in FREE_OPS or n.op in ("extern", "scatter", "copy"):  # extern: not modelled, its bytes are counted;
+        return 0  # scatter and copy move bytes only
     raise ValueError(f"cost model: no FLOP rule for op {n.op!r}")
 
 
@@ -83,6 +83,9 @@ def split_args(program: Program, launch: Launch) -> tuple[tuple[int, ...], tuple
     outputs = program.groups[launch.group].outputs
     cut = len(launch.args) - len(outputs)
     reads, writes = launch.args[:cut], launch.args[cut:]
+    group = program.groups[launch.group]
+    if group.kind == "scatter":  # written in place: the buffer is its operand's (schedule/scatter.py)
+        outputs = [group.anchor.inputs[0]]
     if [id(program.buffers[b].node) for b in writes] != [id(o) for o in outputs]:
         raise ValueError(f"launch of {launch.kernel}: its last {len(outputs)} argument(s) are not its group's "
                          "outputs; the cost model relies on Program's (inputs..., outputs...) argument order")
@@ -153,6 +156,8 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
             continue
         bytes_read += _needed_elements(node, users) * node.dtype.itemsize
     bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(writes))
+    if group.kind == "scatter":  # only the slices it writes
+        bytes_written = group.anchor.inputs[2].type.nbytes
     # a contraction computes in its operands' type (split-K's partial product: f16 inputs, f32 out)
     compute_dtype = group.anchor.inputs[0].dtype if group.kind in ("matmul", "conv") else group.anchor.dtype
     return LaunchCost(index, launch.kernel, group.kind, compute_dtype, sum(by_op.values()), transcendentals,

@@ -227,3 +227,11 @@ def test_decoder_with_symbolic_sequence_is_one_program():
     assert compiled.stages.get("per_binding") is None  # one program for the prompt and every step
     assert torch.equal(greedy_generate(compiled, prompt, 8), greedy_generate(e, prompt, 8))
     assert compiled.full_write_backs == 0
+
+
+def test_cost_report_counts_only_the_rows_written():
+    from sextant.report import program_costs
+
+    compiled = sextant.compile(Cache(), (torch.randn(1, 2, 1, 4), torch.tensor([0])), target="cpu", cache=False)
+    costs = [c for c in program_costs(compiled.stages["program"]) if c.kind == "scatter"]
+    assert len(costs) == 2 and all(c.bytes_written == 2 * 4 * 4 for c in costs)  # one position of 2 heads x 4
