@@ -4,9 +4,14 @@ Cases: GPT-2 (transformers' default ``GPT2Config()``: 12 layers, 768 wide, 50257
 batch 8 × sequence 512 in fp32 and fp16, a 4096³ matrix product in fp32, fp16 and bf16 (the
 half ones on tensor cores), a decode-shaped fp16 product 16×4096·4096×4096 (split-K), causal
 fp16 attention with GPT-2-small's heads (batch 8, 12 × 64) at sequence 512 and 2048 against
-torch's SDPA, and a softmax over 8192×8192 in fp32 and fp16. Times are medians of CUDA-event-timed
-calls after warm-up; the error is the largest absolute difference between sextant's output and
-eager's (same dtype).
+torch's SDPA, a softmax over 8192×8192 in fp32 and fp16, and LLM decoding: the Llama-style
+decoder of :mod:`sextant.decoder` at GPT-2-small size (``DecoderConfig.llama_100m()``) in fp16
+and bf16, batch 1, a 128-token prefill then 128 greedy decode steps on its KV caches (updated in
+place), against eager and ``torch.compile(mode="reduce-overhead")`` (Inductor with CUDA graphs;
+sextant's runner replays CUDA graphs too). Times are medians of CUDA-event-timed calls after
+warm-up (decoding: ms per decode token; a second table has each path's prefill ms and how many of
+its tokens equal eager's); the error is the largest absolute difference between sextant's output
+(decoding: its logits) and eager's (same dtype).
 
 The whole run must fit in ``--budget-s`` (scripts/gpu-check gives it what the tests leave of 8
 minutes): sextant and eager run for every case first, then ``torch.compile`` for the cases whose
@@ -18,7 +23,8 @@ A case that fails is reported in its row (and its traceback on stderr) instead o
 
 ``--dry-run`` builds every case at a tiny size and runs it through ``cuda-sim`` (the same GPU
 schedules, PTX and ptxas; kernels executed on the CPU), so everything up to the GPU calls is
-known to work before a GPU is spent on it. The table goes to stdout, to ``--out``, and to
+known to work before a GPU is spent on it (the decode cases leave ``torch.compile`` out there: two
+Inductor graphs take 15–45 s on a small CPU). The table goes to stdout, to ``--out``, and to
 ``$OUT/gpu_bench.md`` when ``OUT`` is set.
 """
 
@@ -88,6 +94,20 @@ def decode_inputs(tiny: bool) -> tuple[nn.Module, tuple]:
     return MatMul(), (torch.randn(16, k), torch.randn(k, n) / k**0.5)
 
 
+def llm_decode_inputs(tiny: bool) -> tuple[nn.Module, tuple]:
+    """The Llama-style decoder of :mod:`sextant.decoder` at GPT-2-small size
+    (``DecoderConfig.llama_100m()``: 12 layers × 768, 12 heads over 4 K/V heads, vocabulary 32000,
+    static cache 256) at batch 1, with a 128-token prompt and 128 greedy decode steps (the whole
+    cache); ``DecoderConfig.tiny()`` with 8 tokens and 4 steps when ``tiny``. The args are
+    :func:`~sextant.decoder.greedy_generate`'s: (prompt ids, decode steps)."""
+    from sextant.decoder import Decoder, DecoderConfig
+
+    config = DecoderConfig.tiny() if tiny else DecoderConfig.llama_100m()
+    prompt, steps = (8, 4) if tiny else (128, 128)
+    ids = torch.randint(0, config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    return Decoder(config, batch=1, seed=0).eval(), (ids, steps)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -95,6 +115,11 @@ class Case:
     build: Callable[[bool], tuple[nn.Module, tuple]]  # tiny -> (module, example args) on the CPU
     inductor_s: float  # rough torch.compile cost on the GPU machine, to stay inside the budget
     dynamic: Callable[[], dict] | None = None  # dynamic_shapes: sextant compiles one program for all sizes
+    # "forward": one call of the module on its args (run_case, run_inductor); "decode": a Decoder and
+    # greedy_generate's (prompt ids, steps): a prefill, then a loop of decode calls on its KV caches
+    # (run_decode, run_decode_inductor; see RUNNERS)
+    kind: str = "forward"
+    dry_run_inductor: bool = True  # False: torch.compile is too slow on a CPU to be part of --dry-run
 
 
 def _cases() -> list[Case]:
@@ -121,6 +146,12 @@ def _cases() -> list[Case]:
                                 lambda tiny, seq=seq: attention_inputs(seq, tiny), cost))
         out.append(Case(f"softmax-8192-{tag}", dt,
                         lambda tiny: (Softmax(), (torch.randn(64 if tiny else 8192, 64 if tiny else 8192),)), 10.0))
+    # LLM decoding: prefill + greedy decode steps, the KV caches updated in place, half precision only;
+    # torch.compile with CUDA graphs (two Inductor graphs: ~45 s at the tiny size on a 2-core CPU, so not
+    # in --dry-run)
+    for dt, tag in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        out.append(Case(f"llm-decode-100m-b1-p128-n128-{tag}", dt, llm_decode_inputs, 45.0, kind="decode",
+                        dry_run_inductor=False))
     return out
 
 
@@ -142,6 +173,7 @@ class Row:
     kernels: str = ""
     notes: list[str] = field(default_factory=list)
     profile: dict | None = None  # where the GPU time goes (models only): sextant.tools.bench.profile's dict
+    decode: dict[str, dict] | None = None  # decode cases: per path (eager, sextant, torch.compile), decode_table's
 
 
 def _cast(model: nn.Module, args: tuple, dtype: torch.dtype, device: str) -> tuple[nn.Module, tuple]:
@@ -182,6 +214,28 @@ def _fail_note(what: str, e: BaseException) -> str:
     return f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
+def describe_program(compiled: sextant.CompiledModule, row: Row) -> None:
+    """The kernels column (launches, unique kernels, tensor-core ones) and the notes on a compiled
+    program: its MMA kernels' registers and spills, split-K rewrites, a PTX the driver JIT-compiled."""
+    program = compiled.stages["program"]
+    row.kernels = f"{len(program.launches)} ({len(program.kernels)})"
+    mma = [k for k in program.kernels.values() if "tensor-core" in k.meta.get("mapping", "")]
+    if mma:
+        row.kernels += f", {len(mma)} tensor-core"
+        res = compiled.stages.get("ptxas")
+        if res is not None and getattr(res, "kernels", None):
+            used = [res.kernels[k.name] for k in mma if k.name in res.kernels]
+            if used:
+                row.notes.append(f"MMA kernels: ≤{max(r.registers for r in used)} registers, "
+                                 f"{sum(r.spill_stores + r.spill_loads for r in used)} B spills")
+    splits = [r.split(" runs as ")[1].split(",")[0] for r in program.rewrites if r.startswith("split-K")]
+    if splits:
+        row.notes.append("split-K: " + "; ".join(splits))
+    runner = compiled.stages.get("runner")
+    if runner is not None and getattr(runner, "image", "cubin") != "cubin":
+        row.notes.append("PTX JIT-compiled by the driver" + (" (cubin refused)" if runner.cubin_error else ""))
+
+
 def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, torch.Tensor] | None:
     """Eager and sextant for one case; returns (GPU model, args, eager output) for torch.compile."""
     device = "cpu" if dry_run else "cuda"
@@ -202,19 +256,7 @@ def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, tor
                              f"compiled per binding: {compiled.stages.get('per_binding')}")
         row.sextant_compile_s = time.perf_counter() - t0
         program = compiled.stages["program"]
-        row.kernels = f"{len(program.launches)} ({len(program.kernels)})"
-        mma = [k for k in program.kernels.values() if "tensor-core" in k.meta.get("mapping", "")]
-        if mma:
-            row.kernels += f", {len(mma)} tensor-core"
-            res = compiled.stages.get("ptxas")
-            if res is not None and getattr(res, "kernels", None):
-                used = [res.kernels[k.name] for k in mma if k.name in res.kernels]
-                if used:
-                    row.notes.append(f"MMA kernels: ≤{max(r.registers for r in used)} registers, "
-                                     f"{sum(r.spill_stores + r.spill_loads for r in used)} B spills")
-        splits = [r.split(" runs as ")[1].split(",")[0] for r in program.rewrites if r.startswith("split-K")]
-        if splits:
-            row.notes.append("split-K: " + "; ".join(splits))
+        describe_program(compiled, row)
         got = compiled(*args)
         row.max_err = _max_err(got, expected)
         del got
@@ -224,8 +266,6 @@ def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, tor
             from sextant.tools.bench import profile
 
             row.profile = profile(runner, program, compiled.flat_inputs(args, {}), row.sextant_ms)
-        if runner is not None and getattr(runner, "image", "cubin") != "cubin":
-            row.notes.append("PTX JIT-compiled by the driver" + (" (cubin refused)" if runner.cubin_error else ""))
     except Exception as e:
         row.notes.append(_fail_note("sextant", e))
     return model, args, expected
@@ -247,6 +287,203 @@ def run_inductor(model: nn.Module, args: tuple, expected: torch.Tensor, dry_run:
             row.inductor_ms = _time_ms(lambda: fn(*args), cuda=not dry_run)
     except Exception as e:
         row.notes.append(_fail_note("torch.compile", e))
+
+
+# ---------------------------------------------------------------- LLM decoding: a loop of calls with state
+
+# Largest logit error (the decoder's logits have unit scale; sextant or torch.compile vs eager) still
+# taken as the dtype's rounding: GPT-2 fp16's logits are ~5e-3 off eager's, bf16 keeps 3 bits fewer.
+# A token that differs where the logit error is within this is a near-tie; beyond it, a mismatch
+LOGIT_TOL = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+class _StepTimer:
+    """A step function for :func:`~sextant.decoder.greedy_generate` that times each call (CUDA
+    events on the GPU, read after the loop: no sync inside it; wall time otherwise) and keeps an
+    f32 copy of each call's last-position logits (after the call's end is recorded: not timed)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cuda: bool) -> None:
+        self.fn, self.cuda = fn, cuda
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.wall_ms: list[float] = []
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            out = self.fn(ids, pos)
+            end.record()
+            self.events.append((begin, end))
+        else:
+            t0 = time.perf_counter()
+            out = self.fn(ids, pos)
+            self.wall_ms.append((time.perf_counter() - t0) * 1e3)
+        self.logits.append(out[:, -1].to(torch.float32, copy=True))
+        return out
+
+    def times_ms(self) -> list[float]:
+        if not self.cuda:
+            return self.wall_ms
+        torch.cuda.synchronize()
+        return [begin.elapsed_time(end) for begin, end in self.events]
+
+
+@dataclass
+class Generation:
+    """One path's greedy generation: the prefill's and a decode step's median times, the warm-up's
+    seconds (first calls: Inductor compiles there), the tokens chosen (``[B, steps + 1]``, CPU)
+    and each call's last-position logits (``[B, vocab]`` f32, on the device)."""
+
+    prefill_ms: float
+    decode_ms: float
+    warmup_s: float
+    tokens: torch.Tensor
+    logits: list[torch.Tensor]
+
+
+@torch.no_grad()
+def generate(step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], model: nn.Module,
+             prompt: torch.Tensor, steps: int, cuda: bool) -> Generation:
+    """Warm up ``step_fn`` (two short generations: every shape's first calls), time its prefill
+    (:func:`_time_ms`), then one timed greedy generation of ``steps`` tokens from a zeroed cache."""
+    from sextant.decoder import greedy_generate
+
+    t0 = time.perf_counter()
+    for _ in range(2):
+        greedy_generate(step_fn, prompt, min(steps, 2))
+    if cuda:
+        torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    positions = torch.arange(prompt.shape[1], device=prompt.device)
+    prefill_ms = _time_ms(lambda: step_fn(prompt, positions), cuda, budget_s=1.0)
+    model.reset_cache()
+    timer = _StepTimer(step_fn, cuda)
+    tokens = greedy_generate(timer, prompt, steps)
+    times = timer.times_ms()
+    return Generation(prefill_ms, statistics.median(times[1:]), warmup_s, tokens.cpu(), timer.logits)
+
+
+def compare_generation(got: Generation, ref: Generation, tol: float) -> dict:
+    """``got``'s tokens and logits against eager's (``ref``): how many tokens are equal before the
+    first difference (in any sequence), and the largest logit error over the calls whose inputs
+    were still eager's (up to and including the call that chose the first differing token). A
+    difference is a near-tie when the logit error at its call is within ``tol``."""
+    n = ref.tokens.shape[1]
+    differs = (got.tokens != ref.tokens).any(0)
+    same = int(differs.int().argmax()) if bool(differs.any()) else n
+    errs = [_max_err(got.logits[i], ref.logits[i]) for i in range(min(same + 1, n))]
+    out = {"equal": same, "of": n, "err": max(errs), "within_tol": max(errs) <= tol}
+    if same < n:
+        b = int((got.tokens[:, same] != ref.tokens[:, same]).int().argmax())
+        want, chose = int(ref.tokens[b, same]), int(got.tokens[b, same])
+        gap = (ref.logits[same][b, want] - ref.logits[same][b, chose]).item()
+        out["near_tie"] = errs[-1] <= tol
+        out["diff"] = (f"token {same}: {chose} for eager's {want}, whose logits are {gap:.1e} apart there "
+                       f"(logit err {errs[-1]:.1e})")
+    return out
+
+
+def _tokens_note(what: str, cmp: dict, tol: float) -> str:
+    equal = f"{what}: {cmp['equal']}/{cmp['of']} tokens equal to eager's"
+    if "diff" not in cmp:
+        note = equal
+    elif cmp["near_tie"]:
+        note = f"{equal}, then a near-tie ({cmp['diff']} ≤ tolerance {tol:.0e})"
+    else:
+        note = f"**MISMATCH**: {equal} ({cmp['diff']} > tolerance {tol:.0e})"
+    if not cmp["within_tol"]:
+        note += f"; **logits off**: max err {cmp['err']:.1e} > {tol:.0e}"
+    return note
+
+
+def _decode_entry(gen: Generation, compile_s: float | None, cmp: dict | None) -> dict:
+    return {"prefill_ms": gen.prefill_ms, "decode_ms": gen.decode_ms, "compile_s": compile_s,
+            "tokens_per_s": 1e3 * gen.tokens.shape[0] / gen.decode_ms if gen.decode_ms else None,
+            "tokens": "reference" if cmp is None else f"{cmp['equal']}/{cmp['of']}",
+            "err": None if cmp is None else cmp["err"]}
+
+
+def run_decode(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, torch.Tensor, int, Generation]:
+    """Eager and sextant for a decode case: the model (and its KV caches) cast to the case's dtype
+    on the device; sextant compiles a prefill-shaped and a decode-shaped program from the same
+    module object (both update its caches in place); each path is warmed up, its prefill timed,
+    then one greedy generation timed call by call. The row's times are ms per decode token; the
+    error is the logits' against eager's. Returns (model, prompt, steps, eager's generation)."""
+    device = "cpu" if dry_run else "cuda"
+    target = "cuda-sim" if dry_run else "cuda"
+    cpu_model, (cpu_prompt, steps) = case.build(dry_run)
+    model = cpu_model.to(device=device, dtype=case.dtype)
+    model.setup_cache(cpu_prompt.shape[0], case.dtype)  # the caches in the case's dtype, on the device
+    prompt = cpu_prompt.to(device)
+    batch, length = prompt.shape
+    tol = LOGIT_TOL[case.dtype]
+    ref = generate(model, model, prompt, steps, cuda=not dry_run)
+    row.eager_ms = ref.decode_ms
+    row.decode = {"eager": {**_decode_entry(ref, None, None), "shape": f"{batch} × {length} + {steps}"}}
+    row.notes.append(f"ms per decode token (median of {steps} greedy steps, batch {batch}, after the {length}-token "
+                     f"prefill; prefill times below); max abs err: logits")
+    try:
+        t0 = time.perf_counter()
+        # one module object: both programs read and write its cache buffers
+        prefill = sextant.compile(model, (prompt, torch.arange(length, device=device)), target=target, cache=False)
+        decode = sextant.compile(model, (prompt[:, :1], torch.tensor([length], device=device)), target=target,
+                                 cache=False)
+        row.sextant_compile_s = time.perf_counter() - t0
+        describe_program(decode, row)
+        row.notes.append(f"kernels: the decode step's (prefill: {len(prefill.stages['program'].launches)} launches)")
+
+        def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return (prefill if ids.shape[1] == length else decode)(ids, pos)
+
+        got = generate(step, model, prompt, steps, cuda=not dry_run)
+        cmp = compare_generation(got, ref, tol)
+        row.sextant_ms, row.max_err = got.decode_ms, cmp["err"]
+        row.decode["sextant"] = _decode_entry(got, row.sextant_compile_s, cmp)
+        row.notes.append(_tokens_note("sextant", cmp, tol))
+        copies = prefill.full_write_backs + decode.full_write_backs
+        if copies:
+            row.notes.append(f"**{copies} caches copied back** (not updated in place)")
+    except Exception as e:
+        row.notes.append(_fail_note("sextant", e))
+    return model, prompt, steps, ref
+
+
+def run_decode_inductor(model: nn.Module, prompt: torch.Tensor, steps: int, ref: Generation, dry_run: bool,
+                        row: Row) -> None:
+    """``torch.compile(mode="reduce-overhead")``: Inductor with CUDA graphs, static shapes (a graph
+    for the prefill, one for the decode step), each call marked as a new step of CUDA graph trees
+    (the previous call's logits are not read after it). Compile time: the warm-up's."""
+    try:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
+
+        def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            torch.compiler.cudagraph_mark_step_begin()
+            return fn(ids, pos)
+
+        got = generate(step, model, prompt, steps, cuda=not dry_run)
+        tol = LOGIT_TOL[next(model.parameters()).dtype]
+        cmp = compare_generation(got, ref, tol)
+        row.inductor_ms, row.inductor_compile_s = got.decode_ms, got.warmup_s
+        if row.decode is not None:
+            row.decode["torch.compile"] = _decode_entry(got, got.warmup_s, cmp)
+        row.notes.append(_tokens_note("torch.compile", cmp, tol))
+        skips = counters["inductor"]["cudagraph_skips"]
+        if skips and not dry_run:
+            row.notes.append(f"torch.compile skipped CUDA graphs for {skips} graph(s)")
+    except Exception as e:
+        row.notes.append(_fail_note("torch.compile", e))
+
+
+# what runs a case of each kind: (eager and sextant, returning what the second needs; torch.compile)
+RUNNERS: dict[str, tuple[Callable[..., tuple], Callable[..., None]]] = {
+    "forward": (run_case, run_inductor),
+    "decode": (run_decode, run_decode_inductor),
+}
 
 
 def _fmt(v: float | None, spec: str = ".2f") -> str:
@@ -291,6 +528,29 @@ def profile_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+DECODE_CAPTION = (
+    "LLM decoding (batch × prompt + greedy steps): prefill ms is the median of timed prefill calls; decode "
+    "ms/token the median step of one greedy generation after two warm-up ones (CUDA events around each call, "
+    "the argmax between calls not timed); tokens: how many of the generated tokens equal eager's before the "
+    "first difference; max abs logit err: against eager's logits, over the calls before that difference "
+    "(inputs still eager's); compile s: sextant's two programs, torch.compile's warm-up.")
+
+
+def decode_table(rows: list[Row]) -> str:
+    """The decode cases' prefill and decode times, tokens and logit errors, one line per path."""
+    lines = []
+    for r in rows:
+        for path, d in (r.decode or {}).items():
+            lines.append(f"| {r.case} | {path} | {r.decode['eager']['shape']} | {_fmt(d['prefill_ms'], '.3f')} | "
+                         f"{_fmt(d['decode_ms'], '.3f')} | {_fmt(d['tokens_per_s'], '.0f')} | {d['tokens']} | "
+                         f"{_fmt(d['err'], '.1e')} | {_fmt(d['compile_s'], '.1f')} |")
+    if not lines:
+        return ""
+    head = ("| case | path | batch × prompt + steps | prefill ms | decode ms/token | tokens/s | "
+            "tokens equal to eager's | max abs logit err | compile s |")
+    return "\n".join([head, "|" + "---|" * (head.count("|") - 1), *lines])
+
+
 def environment(dry_run: bool) -> tuple[str, str]:
     """(GPU name, a one-line description of the software) for the table's caption."""
     if dry_run or not torch.cuda.is_available():
@@ -325,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s for s in opts.cases.split(",") if s]
     cases = [c for c in _cases() if not wanted or any(w in c.name for w in wanted)]
     rows: dict[str, Row] = {}
-    for_inductor: list[tuple[Case, nn.Module, tuple, torch.Tensor]] = []
+    for_inductor: list[tuple[Case, tuple]] = []  # each case's runner's result, for its torch.compile runner
     out_paths = [opts.out] if opts.out else []
     if os.environ.get("OUT"):
         out_paths.append(Path(os.environ["OUT"]) / "gpu_bench.md")
@@ -340,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         if where:
             text += ("\nWhere sextant's GPU time goes (each launch timed between CUDA events, 20 back to back, "
                      "after a forward; summed per kernel kind):\n\n" + where + "\n")
+        decoding = decode_table([rows[c.name] for c in cases])
+        if decoding:
+            text += f"\n{DECODE_CAPTION}\n\n{decoding}\n"
         for path in out_paths:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
@@ -354,25 +617,27 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[{time.perf_counter() - start:6.1f}s] {case.name}: eager and sextant", file=sys.stderr, flush=True)
         try:
-            built = run_case(case, opts.dry_run, row)
+            built = RUNNERS[case.kind][0](case, opts.dry_run, row)
         except Exception as e:
             row.notes.append(_fail_note("eager", e))
             built = None
         if built is not None:
-            for_inductor.append((case, *built))
+            for_inductor.append((case, built))
         if not opts.dry_run:
             torch.cuda.empty_cache()
         report(final=False)
-    for case, model, args, expected in sorted(for_inductor, key=lambda t: t[0].inductor_s):
+    for case, built in sorted(for_inductor, key=lambda t: t[0].inductor_s):
         row = rows[case.name]
         left = opts.budget_s - (time.perf_counter() - start)
         if opts.no_inductor:
             row.notes.append("torch.compile not run (--no-inductor)")
+        elif opts.dry_run and not case.dry_run_inductor:
+            row.notes.append("torch.compile not run in --dry-run (too slow on a CPU)")
         elif left < case.inductor_s + 10:
             row.notes.append(f"torch.compile skipped: ~{case.inductor_s:.0f} s to compile, {left:.0f} s of budget left")
         else:
             print(f"[{time.perf_counter() - start:6.1f}s] {case.name}: torch.compile", file=sys.stderr, flush=True)
-            run_inductor(model, args, expected, opts.dry_run, row)
+            RUNNERS[case.kind][1](*built, opts.dry_run, row)
             report(final=False)
     print(report(final=True))
     for path in out_paths:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from sextant.tools import gpu_bench
 
 
@@ -52,3 +55,60 @@ def test_profile_table_sums_kinds_and_names_the_slowest_launch() -> None:
     assert text.splitlines()[2] == ("| gpt2-x | 10.000 | 6.000 (60%) | 2.000 (20%) | – | – | 0.500 (5%) | "
                                     "1.500 (15%) | 1.250 ms matmul matmul 4096×50257 |")
     assert len(text.splitlines()) == 3 and profile_table([Row("softmax")]) == ""
+
+
+def _table_rows(text: str, head_starts: str) -> dict[str, list[dict[str, str]]]:
+    """The markdown table of ``text`` whose header starts with ``head_starts``, rows by first column."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(head_starts))
+    head = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows: dict[str, list[dict[str, str]]] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.setdefault(cells[0], []).append(dict(zip(head, cells)))
+    return rows
+
+
+DECODE_CASE = "llm-decode-100m-b1-p128-n128-fp16"
+
+
+@pytest.fixture(scope="module")
+def decode_dry_run(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The LLM decode case's dry run (tiny decoder, fp16, through cuda-sim: a prefill and 4 steps)."""
+    out = tmp_path_factory.mktemp("decode") / "gpu_bench.md"
+    assert gpu_bench.main(["--dry-run", "--cases", DECODE_CASE, "--out", str(out)]) == 0
+    return out.read_text()
+
+
+def test_dry_run_decode_case_generates_eager_tokens(decode_dry_run: str) -> None:
+    """Prefill and decode programs compiled from one Decoder (KV caches updated in place, never
+    copied back), a greedy generation timed per step, its tokens checked against eager's; the
+    per-path table has the prefill and decode times; torch.compile is left out of the dry run."""
+    row = _table_rows(decode_dry_run, "| case | eager ms")[DECODE_CASE][0]
+    assert float(row["eager ms"]) > 0 and float(row["sextant cuda ms"]) > 0
+    assert float(row["sextant compile s"]) > 0 and row["kernels (unique)"].split(" ")[0].isdigit()
+    assert "tensor-core" in row["kernels (unique)"] and "0 B spills" in row["notes"]
+    assert "sextant: 5/5 tokens equal to eager's" in row["notes"]  # a prefill's token + 4 decode steps'
+    assert "MISMATCH" not in row["notes"] and "copied back" not in row["notes"]
+    assert "torch.compile not run in --dry-run" in row["notes"] and row["torch.compile ms"] == "–"
+    paths = {r["path"]: r for r in _table_rows(decode_dry_run, "| case | path")[DECODE_CASE]}
+    assert set(paths) == {"eager", "sextant"}
+    assert paths["eager"]["tokens equal to eager's"] == "reference"
+    assert paths["sextant"]["tokens equal to eager's"] == "5/5"
+    for p in paths.values():
+        assert p["batch × prompt + steps"] == "1 × 8 + 4"
+        assert float(p["prefill ms"]) > 0 and float(p["decode ms/token"]) > 0 and float(p["tokens/s"]) > 0
+
+
+@pytest.mark.xfail(strict=True, reason="cuda-sim's optimised CPU build of a GPU kernel in f16/bf16: the scatter "
+                   "with a fused gather of a table row (the K cache's RoPE, k * cos[pos] written at pos) reads row "
+                   "pos + 1 for the odd K/V heads; its kernel IR is f32's (right), and so is the checked build "
+                   "(SEXTANT_CHECK_RACES=1: logit err 6.5e-3): the decode step's logits come out ~0.2 off")
+def test_dry_run_decode_logits_match_eager(decode_dry_run: str) -> None:
+    """The logits of every step within the fp16 tolerance of eager's (a greedy token can then only
+    differ at a near-tie)."""
+    row = _table_rows(decode_dry_run, "| case | eager ms")[DECODE_CASE][0]
+    assert float(row["max abs err"]) <= gpu_bench.LOGIT_TOL[torch.float16]
+    assert "logits off" not in row["notes"]
