@@ -235,8 +235,4 @@ class NativeRunner:
         slots, sync, tensors, layout = self._bind(inputs)
         plan, argidx, nw, segments = self._plan_for(layout)
         self._run_all(plan, segments, slots, sync, argidx, nw, tensors)
-        out = []
-        for i in p.outputs:
-            t = tensors[i]
-            out.append(t if p.buffers[i].kind == "output" else t.clone())
-        return out
+        return [tensors[i].clone() if copy else tensors[i] for i, copy in zip(p.outputs, p.output_copies)]

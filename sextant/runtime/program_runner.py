@@ -78,8 +78,4 @@ class ProgramRunner:
                 self._launch(launch.kernel, args, blocks, sizes=values)  # type: ignore[call-arg]
             else:
                 self._launch(launch.kernel, args, blocks)
-        out = []
-        for i in p.outputs:
-            t = tensors[i]
-            out.append(t if p.buffers[i].kind == "output" else t.clone())
-        return out
+        return [tensors[i].clone() if copy else tensors[i] for i, copy in zip(p.outputs, p.output_copies)]
