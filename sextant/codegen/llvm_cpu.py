@@ -61,7 +61,9 @@ from sextant.codegen.simt import (
 from sextant.gcpause import gc_paused
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
+    INDEX,
     Assign,
+    Binary,
     Buffer,
     Const,
     CpAsync,
@@ -286,6 +288,21 @@ class _KernelLowering(LoweringBase):
         self.lanes: LanePlan | None = None
         self.lane_vals: dict[str, ir.Value] = {}
         self.lane_memo: dict[int, tuple[Expr, ir.Value]] = {}
+
+    def _op(self, e: Expr, operand: Callable[[Expr], ir.Value]) -> ir.Value | None:
+        """As the base class; but in a kernel with several threads a bit mask of an index is applied
+        through an *opaque* copy of the mask. LLVM 22's loop vectoriser miscompiles the thread loop
+        when an index is ``(tid & 7) + (row << 3)`` with ``row`` of a known range (a table row picked
+        by a position, broadcast over the threads): it loads lanes 8.. of the vector from the next
+        row, as if the mask were not there. Opaque, the mask makes such a load a gather (correct);
+        the copy is a loop invariant, hoisted out of the thread loop."""
+        if (isinstance(e, Binary) and e.op == "bitwise_and" and e.dtype == INDEX and self.kernel.threads_per_block > 1
+                and isinstance(e.b, Const)):
+            x, mask = operand(e.a), operand(e.b)
+            if isinstance(x.type, ir.IntType) and isinstance(mask, ir.Constant):
+                opaque = self.b.call(ir.InlineAsm(ir.FunctionType(x.type, [x.type]), "", "=r,0"), [mask])
+                return self.b.and_(x, opaque)
+        return super()._op(e, operand)
 
     # -- storage -----------------------------------------------------------------------------
     def _array(self, ty: ir.Type, count: int, name: str) -> ir.Value:
