@@ -15,6 +15,11 @@ still progresses), which makes its writes visible to every worker before the nex
 Plan layout (``i32``): ``[n, (fn, nargs, arg_offset, blocks, flags) * n]``; ``argidx[arg_offset
 + i]`` is the slot holding the launch's ``i``-th buffer pointer. ``sync`` is two ``i32``: the
 arrival count and the generation.
+
+``sextant_call(call)`` is the same walk with its seven arguments packed in one ``i64`` array
+(``CALL_FIELDS``: plan, argidx, slots, fns, worker, nworkers, sync): a runner builds that array once
+per thread and calls with one pointer — ctypes converts each argument of a call in Python, and
+seven of them cost about twice what one does (measured: ~0.9 µs against ~0.4 µs per call).
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ MAX_ARGS = 512  # buffers of one launch (kernels read far fewer)
 SPINS_BEFORE_YIELD = 4096
 
 I32, I64, PTR = ir.IntType(32), ir.IntType(64), ir.PointerType()
+CALL_FIELDS = 7  # i64 per packed call: plan, argidx, slots, fns, worker, nworkers, sync
 RunFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                          ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
+CallFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 _lock = threading.Lock()
-_compiled: tuple[RunFn, object] | None = None
+_compiled: tuple[RunFn, CallFn, object] | None = None
 
 
 def _alloca(b: ir.IRBuilder, ty: ir.Type, name: str = "") -> ir.Value:
@@ -147,11 +154,28 @@ def emit_executor(triple: str, data_layout: str) -> ir.Module:
 
     _counted_loop(b, fn, launch_i, at(plan, ir.Constant(I32, 0)), "launch", launch)
     b.ret_void()
+
+    packed = ir.Function(module, ir.FunctionType(ir.VoidType(), [PTR]), "sextant_call")
+    b = ir.IRBuilder(packed.append_basic_block("entry"))
+    field = [b.load(b.gep(packed.args[0], [ir.Constant(I32, f)], source_etype=I64), typ=I64)
+             for f in range(CALL_FIELDS)]
+    b.call(fn, [*(b.inttoptr(v, PTR) for v in field[:4]), b.trunc(field[4], I32), b.trunc(field[5], I32),
+                b.inttoptr(field[6], PTR)])
+    b.ret_void()
     return module
 
 
 def executor() -> RunFn:
     """``sextant_run``, compiled on first use (once per process)."""
+    return _compile()[0]
+
+
+def packed_executor() -> CallFn:
+    """``sextant_call``: ``sextant_run`` with its arguments packed in one array (``CALL_FIELDS``)."""
+    return _compile()[1]
+
+
+def _compile() -> tuple[RunFn, CallFn, object]:
     global _compiled
     with _lock:
         if _compiled is None:
@@ -166,5 +190,6 @@ def executor() -> RunFn:
                 pb.getModulePassManager().run(llmod, pb)
                 engine = llvm.create_mcjit_compiler(llmod, tm)
                 engine.finalize_object()
-                _compiled = (RunFn(engine.get_function_address("sextant_run")), (engine, llmod))
-        return _compiled[0]
+                _compiled = (RunFn(engine.get_function_address("sextant_run")),
+                             CallFn(engine.get_function_address("sextant_call")), (engine, llmod))
+        return _compiled

@@ -24,8 +24,15 @@ from sextant.kernel.sizes import check_binding
 
 KernelFn = Callable[[ctypes.Array, int, int], None]
 _CFUNC = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int32)
-PARALLEL_WORK = 32_768  # estimated statement executions below which a launch runs inline
+# estimated statement executions (``estimate_work``) below which a launch is not split over threads:
+# PARALLEL_WORK for the native executor's workers, which meet at spin barriers; POOL_WORK for a launch
+# handed to this module's thread pool from Python, which costs ~50 µs (a submit, a wake-up and a
+# future per worker; measured on a 2-core EPYC: the MLP example's 8x128x128 matmul, estimated at
+# 164k, runs in 8.6 µs inline and 69 µs split) — about what 1M estimated statements take
+PARALLEL_WORK = 32_768
+POOL_WORK = 1_000_000
 CHUNKS_PER_WORKER = 2  # block ranges per worker thread (a little slack for uneven blocks)
+_CORES = os.cpu_count() or 1  # read once: os.cpu_count() reads /sys, ~6 µs (it was read at every launch)
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -38,7 +45,7 @@ class LaunchError(SextantError, ValueError):
 def workers() -> int:
     """Threads a launch may use (``SEXTANT_CPU_THREADS`` overrides the core count)."""
     env = os.environ.get("SEXTANT_CPU_THREADS")
-    return max(1, int(env)) if env else (os.cpu_count() or 1)
+    return max(1, int(env)) if env else _CORES
 
 
 def _thread_pool() -> ThreadPoolExecutor:
@@ -120,6 +127,20 @@ class CpuModule:
     def prepare(self, name: str, buffers: Sequence[torch.Tensor], grid_blocks: int | None = None, *,
                 parallel: bool | None = None, sizes: Mapping[str, int] | None = None) -> Callable[[], None]:
         """Check the buffers once and return a callable that launches with them (for timing)."""
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in buffers):
+            raise LaunchError(f"kernel {name}: a meta tensor stands in for a buffer only in bind()")
+        extra = {"sizes": sizes} if sizes else {}
+        return self.bind(name, buffers, grid_blocks, parallel=parallel, **extra)[0]
+
+    def bind(self, name: str, buffers: Sequence[torch.Tensor], grid_blocks: int | None = None, *,
+             parallel: bool | None = None, sizes: Mapping[str, int] | None = None
+             ) -> tuple[Callable[[], None], ctypes.Array]:
+        """:meth:`prepare`'s launch and its argument array, whose entry ``i`` holds the address of
+        buffer ``i`` (then the size arguments) and is read at every call. A buffer may be a ``meta``
+        tensor, a stand-in checked for its dtype and size only, whose entry stays null: the caller
+        writes there, before each call, the address of a contiguous CPU tensor of that dtype and
+        size that overlaps no other buffer of the launch, and keeps the tensor alive while it runs
+        (a runner's inputs and fresh outputs: the arguments are built once, not per call)."""
         if name not in self.kernels:
             raise LaunchError(f"no kernel named {name!r} in this module (it has {', '.join(self.kernels)})")
         kernel = self.kernels[name]
@@ -130,18 +151,18 @@ class CpuModule:
         if not 0 <= nblocks <= kernel.num_blocks:
             raise LaunchError(f"kernel {name}: grid_blocks={nblocks} outside its grid of {kernel.num_blocks} blocks")
         args = (ctypes.c_void_p * max(1, len(buffers) + len(kernel.sizes)))(
-            *[t.data_ptr() for t in buffers], *[values[s.name] for s in kernel.sizes])
+            *[0 if t.is_meta else t.data_ptr() for t in buffers], *[values[s.name] for s in kernel.sizes])
         fn = self._fns[name]
         keep = tuple(buffers)  # the tensors must outlive every call
         nthreads = workers()
         if parallel is None:
             work = self._work[name] * nblocks // max(1, kernel.num_blocks)
-            parallel = work >= PARALLEL_WORK
+            parallel = work >= POOL_WORK
         if not parallel or nthreads == 1 or nblocks < 2:
             def run_inline(args: ctypes.Array = args, keep: tuple = keep) -> None:
                 if nblocks:
                     fn(args, 0, nblocks)
-            return run_inline
+            return run_inline, args
 
         nchunks = min(nblocks, nthreads * CHUNKS_PER_WORKER)
         bounds = [nblocks * i // nchunks for i in range(nchunks + 1)]
@@ -155,7 +176,7 @@ class CpuModule:
             for f in futures:
                 f.result()
 
-        return run_parallel
+        return run_parallel, args
 
     @staticmethod
     def _check(kernel: Kernel, buffers: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None) -> None:
@@ -166,7 +187,7 @@ class CpuModule:
             problem = None
             if not isinstance(t, torch.Tensor):
                 problem = f"is a {type(t).__name__}, not a tensor"
-            elif t.device.type != "cpu":
+            elif t.device.type not in ("cpu", "meta"):  # meta: a stand-in (bind)
                 problem = f"is on {t.device}"
             elif t.dtype != p.dtype.torch:
                 problem = f"has dtype {t.dtype}, expected {p.dtype.torch}"
@@ -177,7 +198,8 @@ class CpuModule:
             if problem:
                 raise LaunchError(f"kernel {kernel.name}: buffer {p.name} {problem}")
         # the code assumes distinct buffers (codegen's alias scopes): a written one may overlap none
-        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p) for p, t in zip(kernel.params, buffers)]
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p)
+                 for p, t in zip(kernel.params, buffers) if not t.is_meta]
         for i, (lo, hi, p) in enumerate(spans):
             for lo2, hi2, q in spans[i + 1:]:
                 if lo < hi2 and lo2 < hi and "out" in p.role + q.role:

@@ -6,6 +6,12 @@ per calling thread, outputs allocated per call), but the launch sequence is a pl
 array built once per thread, so a call only writes its inputs' and outputs' pointers and makes
 one ctypes call per worker thread (a second worker only when some launch is big enough to
 split). Buffer checks happen once, when the slots are built, not per launch.
+
+A call's own cost (measured on a 2-core EPYC, the MLP example at batch 8) is ~3 µs on top of
+its kernels: the inputs checked against the binding (~0.3 µs each), the outputs allocated (~1 µs
+each), their addresses written into the slots, and one ctypes call with one argument (the
+executor's arguments packed once per thread: ``codegen.executor.sextant_call``). What a call
+needs at a binding (slots, plan, packed arguments, output shapes) is looked up once, per thread.
 """
 
 from __future__ import annotations
@@ -16,20 +22,26 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from sextant.codegen.executor import BARRIER, FIELDS, MAX_ARGS, PARALLEL, executor
+from sextant.codegen.executor import BARRIER, CALL_FIELDS, FIELDS, MAX_ARGS, PARALLEL, executor, packed_executor
 from sextant.kernel.sizes import instantiate
 from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
 from sextant.runtime.extern import run_extern
-from sextant.runtime.program_runner import ThreadArenas
+from sextant.runtime.program_runner import ThreadArenas, call_inputs, empty, updated_inputs
 from sextant.schedule.program import Layout, Program, bounded_put
 
 # estimated statement executions (``estimate_work``) of all splittable launches below which the
 # whole forward runs on the calling thread: waking the second worker and meeting it at barriers
 # costs ~30-70 µs a call (measured on a 2-core EPYC: the MLP example 0.108 → 0.037 ms)
 SINGLE_WORKER_WORK = 1_000_000
+# ... and the estimate only proposes: where it would split, the first calls at a binding run the
+# plan both ways, TRIALS times each, alternating, and the faster (the least time seen) stays. The
+# estimate can be far off — a Llama-style decoder's one-token step (2 layers of 64, a cache of 64)
+# is estimated at 1.9M, and the runner took ~70 µs a call split, ~24 µs on one thread (kernels: 15)
+TRIALS = 3
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -53,6 +65,14 @@ def _forget_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
+def _serial(table: ctypes.Array) -> ctypes.Array:
+    """A plan table's copy with every launch on worker 0: no parallel flags, no barriers."""
+    out = (ctypes.c_int32 * len(table))(*table)
+    for i in range(table[0]):
+        out[1 + FIELDS * i + 4] = 0
+    return out
+
+
 def _table(rows: list[list[int]]) -> ctypes.Array:
     """A plan table for the executor: the row count, then the rows."""
     flat = [len(rows)] + [x for row in rows for x in row]
@@ -60,10 +80,31 @@ def _table(rows: list[list[int]]) -> ctypes.Array:
     return (ctypes.c_int32 * len(flat))(*flat)
 
 
+@dataclass
+class _Bound:
+    """One thread's slot array at one binding, and all a call at that binding needs besides."""
+
+    slots: ctypes.Array
+    sync: ctypes.Array
+    fixed: dict[int, torch.Tensor]  # the weights and arena temporaries behind the slots
+    plan: ctypes.Array
+    argidx: ctypes.Array
+    nworkers: int  # the plan's workers (more than one: the first calls also try it on one, serial_*)
+    segments: list | None
+    serial_plan: ctypes.Array  # the plan on one worker (the plan itself when nworkers is 1)
+    serial_segments: list | None
+    call: ctypes.Array | None  # sextant_call's packed arguments for the serial plan (no extern calls)
+    inputs: list[tuple[torch.Size, torch.dtype]]
+    outputs: list[tuple[tuple[int, ...], torch.dtype]]
+    results: list[tuple[int | torch.Tensor, bool]]  # per graph output: an index into the call's buffers
+    # (or a weight or temporary), and whether it is copied (all but the outputs, which the caller keeps)
+
+
 class NativeRunner:
     def __init__(self, program: Program, module: CpuModule) -> None:
         self.program = program
         self._run = executor()
+        self._call = packed_executor()
         self._params = {i: t.contiguous() for i, t in program.constants.items()}
         names = list(program.kernels)
         self._index = {n: i for i, n in enumerate(names)}
@@ -81,11 +122,17 @@ class NativeRunner:
                                   f"executor passes at most {MAX_ARGS}")
         self._plans: dict[tuple, tuple[ctypes.Array, ctypes.Array, int]] = {}
         self._inputs = [b.index for b in program.buffers if b.kind == "input"]
-        self._outputs = [b for b in program.buffers if b.kind == "output"]
-        self._arenas = ThreadArenas(program, self._slots)
+        self._outputs = [b.index for b in program.buffers if b.kind == "output"]
+        self._updated = updated_inputs(program)
+        self._late = self._inputs + self._outputs  # a call's own buffers: its inputs, then its fresh outputs
+        self._arenas: ThreadArenas[_Bound] = ThreadArenas(program, self._bound)
         self._module = module  # keeps the machine code alive
-        self._plan, self._argidx, self.workers, _ = self._plan_for(program.layout()) if not program.symbols else \
-            (None, None, workers(), None)
+        self._layout = None if program.symbols else program.layout()  # a static program's only one
+        # per binding the estimate splits: the workers chosen by timing, or the trials' times so far
+        self._chosen: dict[tuple, int] = {}
+        self._trials: dict[tuple, tuple[list[int], list[int]]] = {}
+        self._plan, self._argidx, self.workers, _ = (None, None, workers(), None) if self._layout is None else \
+            self._plan_for(self._layout)
 
     def _plan_for(self, layout: Layout) -> tuple[ctypes.Array, ctypes.Array, int, list | None]:
         """The plan table of the kernel launches at ``layout``, their argument slot indices, the worker
@@ -138,35 +185,55 @@ class NativeRunner:
         bounded_put(self._plans, layout.binding, out)
         return out
 
-    def _slots(self, views: dict[int, torch.Tensor], layout: Layout
-               ) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor]]:
-        """A thread's slot array at ``layout`` (params, arena temps and sizes filled in), its barrier
-        and the tensors behind the slots."""
+    def _bound(self, views: dict[int, torch.Tensor], layout: Layout) -> _Bound:
+        """A thread's slot array at ``layout`` (params, arena temps and sizes filled in), its barrier,
+        the tensors behind the slots, and the plan and packed executor arguments that use them."""
         p = self.program
-        tensors: dict[int, torch.Tensor] = {**self._params, **views}
+        fixed: dict[int, torch.Tensor] = {**self._params, **views}
         slots = (ctypes.c_void_p * max(1, len(p.buffers) + len(p.symbols)))()
-        for i, t in tensors.items():
+        for i, t in fixed.items():
             slots[i] = t.data_ptr()
         for name, value in layout.binding:
             slots[self._size_slot[name]] = value
-        return slots, (ctypes.c_int32 * 2)(), tensors
+        sync = (ctypes.c_int32 * 2)()
+        plan, argidx, nw, segments = self._plan_for(layout)
+        serial, serial_segments = plan, segments
+        if nw > 1:
+            serial = _serial(plan)
+            serial_segments = segments and [(t if t is None else _serial(t), la) for t, la in segments]
+        call = None
+        if serial_segments is None:
+            call = (ctypes.c_int64 * CALL_FIELDS)(ctypes.addressof(serial), ctypes.addressof(argidx),
+                                                  ctypes.addressof(slots), ctypes.addressof(self._fns), 0, 1,
+                                                  ctypes.addressof(sync))
+        where = {b: k for k, b in enumerate(self._late)}
+        dtype = lambda b: p.buffers[b].node.dtype.torch
+        return _Bound(slots, sync, fixed, plan, argidx, nw, segments, serial, serial_segments, call,
+                      [(torch.Size(layout.shapes[b]), dtype(b)) for b in self._inputs],
+                      [(layout.shapes[b], dtype(b)) for b in self._outputs],
+                      [(where[i] if i in where else fixed[i], copy) for i, copy in zip(p.outputs, p.output_copies)])
+
+    def _fill(self, bound: _Bound, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The call's inputs (checked against the binding, made contiguous) and fresh outputs, their
+        addresses written into the thread's slots; the tensors must stay alive while the plan runs."""
+        slots = bound.slots
+        buffers, ptrs = call_inputs(inputs, bound.inputs, self._updated)
+        for i, ptr in zip(self._inputs, ptrs):
+            slots[i] = ptr
+        for i, (shape, dtype) in zip(self._outputs, bound.outputs):
+            t = empty(shape, dtype)
+            slots[i] = t.data_ptr()
+            buffers.append(t)
+        return buffers
 
     def _bind(self, inputs: Sequence[torch.Tensor]
               ) -> tuple[ctypes.Array, ctypes.Array, dict[int, torch.Tensor], Layout]:
         """This thread's slots with the call's inputs and fresh outputs in them (the tensors returned
         must stay alive while the plan runs)."""
-        layout = self.program.layout_for(inputs)
-        slots, sync, fixed = self._arenas.get(layout)
-        tensors = dict(fixed)
-        for i, x in zip(self._inputs, inputs):  # inputs come first, in graph order
-            x = x.contiguous()
-            tensors[i] = x
-            slots[i] = x.data_ptr()
-        for b in self._outputs:
-            t = torch.empty(layout.shapes[b.index], dtype=b.node.dtype.torch)
-            tensors[b.index] = t
-            slots[b.index] = t.data_ptr()
-        return slots, sync, tensors, layout
+        layout = self._layout or self.program.layout_for(inputs)
+        bound = self._arenas.get(layout)
+        tensors = {**bound.fixed, **dict(zip(self._late, self._fill(bound, inputs)))}
+        return bound.slots, bound.sync, tensors, layout
 
     def _execute(self, plan: ctypes.Array, slots: ctypes.Array, sync: ctypes.Array, argidx: ctypes.Array,
                  nw: int) -> None:
@@ -230,9 +297,48 @@ class NativeRunner:
             else:
                 run_extern(self.program, launch, tensors)
 
+    def _run_bound(self, bound: _Bound, buffers: list[torch.Tensor], nw: int) -> None:
+        if nw == 1 and bound.call is not None:
+            self._call(ctypes.addressof(bound.call))
+            return
+        tensors = {**bound.fixed, **dict(zip(self._late, buffers))}
+        if nw == 1:
+            self._run_all(bound.serial_plan, bound.serial_segments, bound.slots, bound.sync, bound.argidx, 1, tensors)
+        else:
+            self._run_all(bound.plan, bound.segments, bound.slots, bound.sync, bound.argidx, nw, tensors)
+
+    def _trial(self, bound: _Bound, buffers: list[torch.Tensor], binding: tuple) -> None:
+        """One of the first calls at a binding the estimate splits: run on one worker or on the plan's,
+        whichever has been timed fewer times, and choose once both have been timed TRIALS times."""
+        serial, split = self._trials.setdefault(binding, ([], []))
+        times = split if len(split) < len(serial) else serial
+        t0 = time.perf_counter_ns()
+        self._run_bound(bound, buffers, bound.nworkers if times is split else 1)
+        times.append(time.perf_counter_ns() - t0)
+        if len(serial) >= TRIALS and len(split) >= TRIALS:
+            bounded_put(self._chosen, binding, bound.nworkers if min(split) < min(serial) else 1)
+            self._trials.pop(binding, None)
+
+    def workers_at(self, inputs: Sequence[torch.Tensor]) -> int | None:
+        """The worker threads calls with inputs of these shapes run on (None: not decided yet)."""
+        layout = self._layout or self.program.layout_for(inputs)
+        nw = self._plan_for(layout)[2]
+        return 1 if nw == 1 else self._chosen.get(layout.binding)
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        p = self.program
-        slots, sync, tensors, layout = self._bind(inputs)
-        plan, argidx, nw, segments = self._plan_for(layout)
-        self._run_all(plan, segments, slots, sync, argidx, nw, tensors)
-        return [tensors[i].clone() if copy else tensors[i] for i, copy in zip(p.outputs, p.output_copies)]
+        layout = self._layout or self.program.layout_for(inputs)
+        bound = self._arenas.get(layout)
+        buffers = self._fill(bound, inputs)
+        if bound.nworkers == 1:
+            self._run_bound(bound, buffers, 1)
+        else:
+            nw = self._chosen.get(layout.binding)
+            if nw is None:
+                self._trial(bound, buffers, layout.binding)
+            else:
+                self._run_bound(bound, buffers, nw)
+        out = []
+        for src, copy in bound.results:
+            t = buffers[src] if isinstance(src, int) else src
+            out.append(t.clone() if copy else t)
+        return out

@@ -124,3 +124,79 @@ def test_a_small_forward_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> 
         torch.testing.assert_close(compiled(*args), model(*args))
     _, _, big, _ = _runners(monkeypatch, 2)
     assert big.workers == 2  # a 256x512x512 matmul is worth the second thread
+
+
+def test_a_call_writes_its_buffers_into_slots_bound_once_and_makes_one_packed_call() -> None:
+    from sextant.examples import EXAMPLES
+    from sextant.runtime.cpu import LaunchError
+
+    model, args = EXAMPLES["mlp"]()
+    compiled = sextant.compile(model, args, target="cpu")
+    runner = compiled._executor
+    assert isinstance(runner, NativeRunner)
+    a, b = compiled(*args), compiled(*args)
+    bound = runner._arenas.get(runner.program.layout())
+    assert bound.call is not None and bound.nworkers == 1 and bound.segments is None  # sextant_call, one worker
+    assert runner._arenas.get(runner.program.layout()) is bound  # built once per thread and binding
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)  # outputs stay fresh tensors
+    with pytest.raises(LaunchError, match="expected a CPU tensor"):  # the slots are never given a short buffer
+        runner([torch.randn(4, 64)])
+    with pytest.raises(LaunchError, match="expected 1 inputs"):
+        runner([])
+
+
+def test_the_launch_by_launch_runner_binds_a_plain_module_only() -> None:
+    from sextant.examples import EXAMPLES
+    from sextant.runtime.cpu import LaunchError
+
+    model, (x,) = EXAMPLES["mlp"]()
+    program = schedule(run_pipeline(sextant.capture(model, (x,))), cpu_target())
+    module = compile_kernels(list(program.kernels.values()))
+    runner = ProgramRunner(program, module.launch)
+    assert runner._module is module  # launches bound once per thread: a call patches input/output pointers
+    a, b = runner([x]), runner([x])
+    assert a[0].data_ptr() != b[0].data_ptr() and torch.equal(a[0], b[0])
+    with torch.no_grad():
+        torch.testing.assert_close(a[0], model(x))
+    assert torch.equal(a[0], NativeRunner(program, module)([x])[0])
+    checked = compile_kernels(list(program.kernels.values()), check_races=True)
+    assert ProgramRunner(program, checked.launch)._module is None  # sees every launch, as before
+    # a meta tensor stands in for a buffer in bind() only, checked for its dtype and size
+    launch = program.launches[0]
+    k = program.kernels[launch.kernel]
+    stand_ins = [torch.empty(p.size, dtype=p.dtype.torch, device="meta") for p in k.params]
+    _, entries = module.bind(k.name, stand_ins)
+    assert all(entries[i] is None for i in range(len(k.params)))  # null until the caller writes an address
+    with pytest.raises(LaunchError, match="only in bind"):
+        module.prepare(k.name, stand_ins)
+    with pytest.raises(LaunchError, match="has dtype"):
+        module.bind(k.name, [torch.empty(p.size, dtype=torch.float64, device="meta") for p in k.params])
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_an_input_updated_in_place_may_not_overlap_another(target: str) -> None:
+    from sextant.runtime.cpu import LaunchError
+
+    class UpdatesArgument(nn.Module):
+        def forward(self, cache: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            cache.index_copy_(1, pos, k)
+            return cache.sum(0)
+
+    cache = torch.zeros(3, 16)
+    compiled = sextant.compile(UpdatesArgument(), (cache.clone(), torch.randn(3, 2), torch.tensor([0, 1])),
+                               target=target, cache=False)
+    with pytest.raises(LaunchError, match="input 0 is updated in place and overlaps input 1"):
+        compiled(cache, cache.view(-1)[:6].view(3, 2), torch.tensor([0, 1]))  # the kernels' buffers are distinct
+
+
+def test_where_the_estimate_splits_the_first_calls_run_both_ways_and_choose(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sextant.runtime.native_runner import TRIALS
+
+    model, _, native, _ = _runners(monkeypatch, 2)
+    x = torch.randn(256, 512)
+    assert native.workers == 2 and native.workers_at([x]) is None  # proposed by the estimate, not decided
+    outs = [native([x])[0] for _ in range(2 * TRIALS)]  # alternately on one worker and on two
+    assert native.workers_at([x]) in (1, 2)  # the faster, timed
+    assert all(torch.equal(o, outs[0]) for o in outs)  # the same blocks either way: bit for bit
+    with torch.no_grad():
+        torch.testing.assert_close(outs[0], model(x), atol=1e-4, rtol=1e-4)
