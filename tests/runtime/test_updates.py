@@ -216,13 +216,14 @@ def test_gpt_fast_style_decoder_matches_eager_token_for_token(target):
     assert dump.count(f"in place: 1 of {cfg.max_cache_len} positions along dim 2") == 2 * cfg.n_layers
 
 
-def test_decoder_with_symbolic_sequence_is_one_program():
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_decoder_with_symbolic_sequence_is_one_program(target):
     cfg = DecoderConfig.tiny()
     m, e = Decoder(cfg), Decoder(cfg)
     e.load_state_dict(m.state_dict())
     prompt = torch.randint(0, cfg.vocab_size, (1, 5))
     seq = Dim("seq", min=1, max=cfg.max_cache_len)
-    compiled = sextant.compile(m, (prompt, torch.arange(5)), target="cpu", cache=False,
+    compiled = sextant.compile(m, (prompt, torch.arange(5)), target=target, cache=False,
                                dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}})
     assert compiled.stages.get("per_binding") is None  # one program for the prompt and every step
     assert torch.equal(greedy_generate(compiled, prompt, 8), greedy_generate(e, prompt, 8))
