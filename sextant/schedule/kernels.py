@@ -35,6 +35,7 @@ from sextant.kernel.ir import (
 from sextant.kernel.sizes import capacity
 from sextant.schedule.cpu_conv import conv_gemm_kernel, depthwise_kernel, is_depthwise
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
+from sextant.schedule.cpu_gemv import gemv_kernel, uses_gemv
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -405,7 +406,12 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     done: packing A (8 broadcast streams, each sequential in k).
     Rows past M are computed on a clamped row and not stored; columns cut by the matrix edge take a
     plain per-element path. The epilogue runs per element. The loops are ``cpu_gemm.gemm_kernel``,
-    shared with the convolution's implicit GEMM."""
+    shared with the convolution's implicit GEMM.
+
+    A Linear layer on a few rows (a decode step: M ≤ ``cpu_gemv.GEMV_MAX_ROWS``, B a weight
+    ``permute``) is a matrix-vector product instead, reading the weight in place (``cpu_gemv``)."""
+    if uses_gemv(group, target):
+        return gemv_kernel(group, stored, target, name)
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape

@@ -28,6 +28,7 @@ from sextant.kernel.sizes import check_binding, launch_blocks, with_sizes
 from sextant.schedule import memory
 from sextant.schedule.attention import attention_kernel, attention_refusal
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
+from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, buffers_read, external_buffers
 from sextant.schedule.partition import Group, partition
@@ -254,13 +255,14 @@ def _evaluate(n: Node, graph: Graph) -> torch.Tensor:
     return values[id(n)]
 
 
-def prepack_weights(graph: Graph, groups: list[Group]) -> list[Node]:
+def prepack_weights(graph: Graph, groups: list[Group], target: TargetDesc | None = None) -> list[Node]:
     """Matmul right-hand sides that are a re-indexed weight (``permute(W)`` of a Linear layer)
     are laid out row-major once, at compile time, so the kernel reads B contiguously along its
-    vectorised dimension. Returns the operand nodes that become prepacked constant buffers."""
+    vectorised dimension. Returns the operand nodes that become prepacked constant buffers.
+    Not those of a CPU GEMV (``cpu_gemv``: a decode step's Linear reads W in place)."""
     packed = []
     for g in groups:
-        if g.kind == "matmul":
+        if g.kind == "matmul" and not (target is not None and uses_gemv(g, target)):
             b = g.anchor.inputs[1]
             if b.op != "param" and _movement_of_param(b) and isinstance(b.type.numel, int):  # not a broadcast to a size
                 packed.append(b)
@@ -301,7 +303,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     else:
         graph, split_notes = split_k(graph, target)
     groups = partition(graph, work, store_conv_inputs=not target.is_gpu, attention_refusal=attention_refusal(target))
-    packed = prepack_weights(graph, groups)
+    packed = prepack_weights(graph, groups, target)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
         packed += conv_weights
