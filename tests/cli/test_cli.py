@@ -253,7 +253,7 @@ def test_arch_and_missing_disassembler(tmp_path: Path, monkeypatch: pytest.Monke
 def test_explain_cpu_has_costs_but_no_registers() -> None:
     code, out, _ = cli("explain", f"{USER}:tiny", "--target", "cpu", "-q")
     assert code == 0
-    assert re.search(r"#0\s+matmul_0\s+matmul\s+\d+ blocks x \d+ threads\n", out)
+    assert re.search(r"#0\s+matmul_0\s+matmul\s+\d+ blocks x \d+ threads(\s+\[[\w-]+\])?\n", out)
     assert "regs" not in out and "registers and spills come from ptxas" in out
     assert "cost:" in out and "FLOP" in out
 
