@@ -37,6 +37,7 @@ class GraphRecord:
     nodes: int
     target: str | None  # None: ran eagerly
     reason: str = ""  # why it fell back, when it did
+    role: str = "inference"  # or, for a training graph (``frontend.training``): "forward", "backward"
 
 
 @dataclass
@@ -74,33 +75,90 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     "reference"; default: the inputs' device), ``arch``, ``pipeline``, and ``fallback`` (default
     True: run a graph sextant cannot compile eagerly; False: raise).
     """
-    import sextant
     from sextant.api import default_target
-    from sextant.errors import SextantError
+    from sextant.frontend.training import needs_autograd
 
     opts = _check_options(options)
     target = opts.get("target") or default_target(tuple(example_inputs))
-    nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
+    if needs_autograd(example_inputs):
+        return _compile_training(gm, example_inputs, opts, target)
+    return _compile_graph(gm, example_inputs, opts, target)
+
+
+def _fall_back(gm: torch.fx.GraphModule, opts: Mapping[str, Any], reason: str,
+               role: str = "inference") -> Callable[..., Any]:
+    """``gm`` run eagerly, with the reason logged and recorded (or raised, with ``fallback=False``)."""
+    from sextant.errors import SextantError
+
+    nodes = _ops(gm)
+    what = "graph" if role == "inference" else f"{role} graph"
+    if not opts.get("fallback", True):
+        raise SextantError(f"sextant backend: cannot compile this {what}: {reason}")
+    STATS.graphs.append(GraphRecord(nodes, None, reason, role))
+    log.warning("sextant: running a %s of %d ops eagerly: %s", what, nodes, reason)
+    return gm.forward
+
+
+def _ops(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op == "call_function" for n in gm.graph.nodes)
+
+
+def _compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Mapping[str, Any],
+                      target: str) -> Callable[..., Any]:
+    """A graph that must stay differentiable: its forward and backward graphs from AOTAutograd, each
+    compiled per concrete shape on its first call; eagerly (autograd intact) if AOTAutograd fails."""
+    from sextant.frontend.training import compile_training
+
+    def half(g: torch.fx.GraphModule, role: str) -> Callable[..., Any]:
+        def compile_for(args: Sequence[Any]) -> Any:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # AOTAutograd's runtime wrapper watches the first call through a mode
+                fn = _compile_static(g, args, opts, target)
+            STATS.graphs.append(GraphRecord(_ops(g), target, role=role))
+            log.info("sextant: compiled a %s graph of %d ops for %s", role, _ops(g), target)
+            return fn
+
+        def fall_back(reason: str) -> Callable[..., Any]:
+            return _fall_back(g, opts, reason, role)
+
+        return _PerShape(compile_for, fall_back, _ops(g))
+
+    try:
+        return compile_training(gm, example_inputs, half)
+    except Exception as e:
+        return _fall_back(gm, opts, f"AOTAutograd could not split the training graph: {_why(e)}", "training")
+
+
+def _compile_static(gm: torch.fx.GraphModule, args: Sequence[Any], opts: Mapping[str, Any], target: str) -> Any:
+    """``gm`` compiled for the concrete shapes of ``args``."""
+    import sextant
+
+    flat = _Flat(gm, args)
+    with outside_dynamo():
+        compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
+                                   target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
+    if not flat.baked:
+        return compiled
+    return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Mapping[str, Any],
+                   target: str, role: str = "inference") -> Callable[..., Any]:
+    """One graph compiled as an inference program (``role``: what it is, for STATS and the log)."""
+    import sextant
+
+    nodes = _ops(gm)
 
     def fall_back(reason: str) -> Callable[..., Any]:
-        if not opts.get("fallback", True):
-            raise SextantError(f"sextant backend: cannot compile this graph: {reason}")
-        STATS.graphs.append(GraphRecord(nodes, None, reason))
-        log.warning("sextant: running a graph of %d ops eagerly: %s", nodes, reason)
-        return gm.forward
+        return _fall_back(gm, opts, reason, role)
 
     bad = sorted({type(x).__name__ for x in example_inputs if not isinstance(x, (torch.Tensor, int, torch.SymInt))})
     if bad:
         return fall_back(f"non-tensor graph inputs ({', '.join(bad)})")
 
     def compile_for(args: Sequence[Any]) -> Any:
-        flat = _Flat(gm, args)
-        with outside_dynamo():
-            compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
-                                       target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
-        if not flat.baked:
-            return compiled
-        return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
+        return _compile_static(gm, args, opts, target)
 
     def compile_symbolic(args: Sequence[Any], plan: _SizePlan) -> Any:
         """One symbolic capture for every size (``sextant.compile(dynamic_shapes=...)``)."""
@@ -148,8 +206,9 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         compiled = compile_for(example_inputs)
     except Exception as e:  # not only SextantError: a bug in sextant must not break a model that runs eagerly
         return fall_back(_why(e))
-    STATS.graphs.append(GraphRecord(nodes, compiled.target))
-    log.info("sextant: compiled a graph of %d ops for %s", nodes, compiled.target)
+    STATS.graphs.append(GraphRecord(nodes, compiled.target, role=role))
+    log.info("sextant: compiled a %s of %d ops for %s", "graph" if role == "inference" else f"{role} graph",
+             nodes, compiled.target)
 
     def run(*args: Any) -> Any:
         return compiled(*args)

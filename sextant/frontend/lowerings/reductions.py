@@ -239,10 +239,58 @@ def _batch_norm_eval(ctx: LoweringContext, x: Node, weight, bias, running_mean, 
     return b.cast(out, x.dtype), saved, saved
 
 
-@lower(aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
-       aten._native_batch_norm_legit_functional.default)
+@lower(aten._native_batch_norm_legit_functional.default)
+def _batch_norm_functional(ctx: LoweringContext, x: Node, weight, bias, running_mean: Node, running_var: Node,
+                           training: bool, momentum: float, eps: float):
+    """Batch norm as functionalisation leaves it: (out, saved mean, saved 1/std, new running mean,
+    new running var). In training the statistics are the batch's, over every axis but the channel,
+    and the running ones move towards them by ``momentum`` (the variance unbiased, as torch's)."""
+    if not training:
+        out, saved, _ = _batch_norm_eval(ctx, x, weight, bias, running_mean, running_var, momentum, eps)
+        return out, saved, saved, running_mean, running_var
+    b = ctx.b
+    out, mean, rstd, var = _batch_stats_norm(ctx, x, weight, bias, eps)
+    n = math.prod(x.shape[a] for a in range(x.type.rank) if a != 1)
+    if not isinstance(n, int):
+        raise Unsupported("batch norm in training mode over a symbolic batch size (the unbiased running variance)")
+
+    def moved(old: Node, new: Node) -> Node:
+        t = opmath(old.dtype)
+        return b.cast(b.add(b.mul(b.cast(old, t), 1.0 - momentum), b.mul(new, float(momentum))), old.dtype)
+
+    unbiased = b.mul(var, n / max(n - 1, 1))
+    return (out, b.cast(mean, ctx.out_dtype(1)), b.cast(rstd, ctx.out_dtype(2)),
+            moved(running_mean, mean), moved(running_var, unbiased))
+
+
+@lower(aten._native_batch_norm_legit.no_stats)
+def _batch_norm_no_stats(ctx: LoweringContext, x: Node, weight, bias, training: bool, momentum: float, eps: float):
+    """Batch norm with no running statistics (``track_running_stats=False``): always the batch's."""
+    out, mean, rstd, _ = _batch_stats_norm(ctx, x, weight, bias, eps)
+    return out, ctx.b.cast(mean, ctx.out_dtype(1)), ctx.b.cast(rstd, ctx.out_dtype(2))
+
+
+def _batch_stats_norm(ctx: LoweringContext, x: Node, weight, bias, eps: float) -> tuple[Node, Node, Node, Node]:
+    """(normalised output, mean [C], 1/std [C], biased variance [C]) with the batch's statistics."""
+    b = ctx.b
+    t = opmath(x.dtype)
+    y = b.cast(x, t)
+    axes = [a for a in range(x.type.rank) if a != 1]
+    var, mean = _variance(b, y, axes, 0)
+    rstd = b.unary("rsqrt", b.add(var, float(eps)))
+    out = b.mul(b.sub(y, b.expand(mean, y.shape)), b.expand(rstd, y.shape))
+    if weight is not None:
+        out = b.mul(out, _channel(b, weight, x.type.rank, t))
+    if bias is not None:
+        out = b.add(out, _channel(b, bias, x.type.rank, t))
+    c = (x.shape[1],)
+    return b.cast(out, x.dtype), b.reshape(mean, c), b.reshape(rstd, c), b.reshape(var, c)
+
+
+@lower(aten._native_batch_norm_legit.default, aten.native_batch_norm.default)
 def _batch_norm_train(ctx: LoweringContext, *args, **kwargs):
-    raise Unsupported("batch norm in training mode (call model.eval() before compiling)")
+    raise Unsupported("batch norm updating its running statistics in place (expected the functional form "
+                      "torch.export and AOTAutograd produce)")
 
 
 @lower(aten.native_group_norm.default)
