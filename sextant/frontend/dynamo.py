@@ -38,6 +38,7 @@ class GraphRecord:
     target: str | None  # None: ran eagerly
     reason: str = ""  # why it fell back, when it did
     role: str = "inference"  # or, for a training graph (``frontend.training``): "forward", "backward"
+    externs: tuple[str, ...] = ()  # ATen ops the program calls as themselves (no native lowering)
 
 
 @dataclass
@@ -99,6 +100,12 @@ def _fall_back(gm: torch.fx.GraphModule, opts: Mapping[str, Any], reason: str,
     return gm.forward
 
 
+def _externs(compiled: Any) -> tuple[str, ...]:
+    """The ATen ops a compiled graph's program calls as extern calls, in launch order."""
+    program = getattr(compiled, "stages", {}).get("program")
+    return tuple(launch.extern.fn for launch in program.launches if launch.extern) if program is not None else ()
+
+
 def _ops(gm: torch.fx.GraphModule) -> int:
     return sum(n.op == "call_function" for n in gm.graph.nodes)
 
@@ -115,7 +122,7 @@ def _compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
 
             with _disable_current_modes():  # AOTAutograd's runtime wrapper watches the first call through a mode
                 fn = _compile_static(g, args, opts, target)
-            STATS.graphs.append(GraphRecord(_ops(g), target, role=role))
+            STATS.graphs.append(GraphRecord(_ops(g), target, role=role, externs=_externs(fn)))
             log.info("sextant: compiled a %s graph of %d ops for %s", role, _ops(g), target)
             return fn
 
@@ -206,7 +213,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         compiled = compile_for(example_inputs)
     except Exception as e:  # not only SextantError: a bug in sextant must not break a model that runs eagerly
         return fall_back(_why(e))
-    STATS.graphs.append(GraphRecord(nodes, compiled.target, role=role))
+    STATS.graphs.append(GraphRecord(nodes, compiled.target, role=role, externs=_externs(compiled)))
     log.info("sextant: compiled a %s of %d ops for %s", "graph" if role == "inference" else f"{role} graph",
              nodes, compiled.target)
 
