@@ -39,6 +39,8 @@ class GraphRecord:
     reason: str = ""  # why it fell back, when it did
     role: str = "inference"  # or, for a training graph (``frontend.training``): "forward", "backward"
     externs: tuple[str, ...] = ()  # ATen ops the program calls as themselves (no native lowering)
+    saved: tuple[int, int] | None = None  # a backward graph's (activations saved by its forward, their bytes)
+    compiled: Any = field(default=None, repr=False, compare=False)  # the CompiledModule, for inspection
 
 
 @dataclass
@@ -114,7 +116,7 @@ def _compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
                       target: str) -> Callable[..., Any]:
     """A graph that must stay differentiable: its forward and backward graphs from AOTAutograd, each
     compiled per concrete shape on its first call; eagerly (autograd intact) if AOTAutograd fails."""
-    from sextant.frontend.training import compile_training
+    from sextant.frontend.training import compile_training, saved_activations
 
     def half(g: torch.fx.GraphModule, role: str) -> Callable[..., Any]:
         def compile_for(args: Sequence[Any]) -> Any:
@@ -122,8 +124,11 @@ def _compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
 
             with _disable_current_modes():  # AOTAutograd's runtime wrapper watches the first call through a mode
                 fn = _compile_static(g, args, opts, target)
-            STATS.graphs.append(GraphRecord(_ops(g), target, role=role, externs=_externs(fn)))
-            log.info("sextant: compiled a %s graph of %d ops for %s", role, _ops(g), target)
+            saved = saved_activations(g) if role == "backward" else None
+            STATS.graphs.append(GraphRecord(_ops(g), target, role=role, externs=_externs(fn), saved=saved,
+                                            compiled=fn))
+            kept = f" ({saved[0]} activations saved by the forward, {saved[1]} bytes)" if saved else ""
+            log.info("sextant: compiled a %s graph of %d ops for %s%s", role, _ops(g), target, kept)
             return fn
 
         def fall_back(reason: str) -> Callable[..., Any]:
@@ -213,7 +218,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         compiled = compile_for(example_inputs)
     except Exception as e:  # not only SextantError: a bug in sextant must not break a model that runs eagerly
         return fall_back(_why(e))
-    STATS.graphs.append(GraphRecord(nodes, compiled.target, role=role, externs=_externs(compiled)))
+    STATS.graphs.append(GraphRecord(nodes, compiled.target, role=role, externs=_externs(compiled),
+                                    compiled=compiled))
     log.info("sextant: compiled a %s of %d ops for %s", "graph" if role == "inference" else f"{role} graph",
              nodes, compiled.target)
 

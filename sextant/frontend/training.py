@@ -65,3 +65,16 @@ def compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                        decompositions=training_decompositions(),
                        partition_fn=min_cut_rematerialization_partition)
     return aot(gm, list(example_inputs))
+
+
+def saved_activations(backward: torch.fx.GraphModule) -> tuple[int, int]:
+    """(count, bytes) of what a backward graph takes from its forward: every input but the incoming
+    gradients (AOTAutograd names those ``tangents_*``): the memory kept alive between the two."""
+    count = nbytes = 0
+    for n in backward.graph.nodes:
+        if n.op == "placeholder" and not n.name.startswith("tangents"):
+            count += 1
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape):
+                nbytes += v.numel() * v.element_size()
+    return count, nbytes
