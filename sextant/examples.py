@@ -93,6 +93,19 @@ class GPT2Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+class Regressor(nn.Module):
+    """Linear, LayerNorm, GELU, Linear and an MSE loss: the model docs/training.md trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.fc1(x))
+        h = F.gelu(h)
+        return F.mse_loss(self.fc2(h), target)
+
+
 def mlp(batch: int = 8) -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     return MLP().eval(), (torch.randn(batch, 64),)

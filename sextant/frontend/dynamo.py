@@ -408,12 +408,21 @@ class _Flat(torch.nn.Module):
         self.baked = {i: a.item() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
                       and a.dtype == torch.float64 and a.device.type == "cpu"}
         self._n = len(args)
+        self._traced = any(n.meta.get("stack_trace") for n in gm.graph.nodes)
 
     def forward(self, *args: torch.Tensor) -> Any:
         it = iter(args)
         full = [torch.tensor(self.baked[i], dtype=torch.float64) if i in self.baked else next(it)
                 for i in range(self._n)]
-        return self.gm(*full)
+        if not self._traced:
+            return self.gm(*full)
+        # Node by node with the graph's own metadata current: the capture then records the user's
+        # source lines Dynamo (and AOTAutograd, for training graphs) kept on each node, not the
+        # generated code's.
+        from torch.fx import traceback as fx_traceback
+
+        with fx_traceback.preserve_node_meta():
+            return torch.fx.Interpreter(self.gm).run(*full)
 
 
 def register() -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import sextant
-from sextant.examples import EXAMPLES, TinyBlock
+from sextant.examples import EXAMPLES, Regressor, TinyBlock
 from sextant.graph.passes import run_pipeline, trace_pipeline
 from sextant.schedule.target import cpu_target
 
@@ -621,7 +621,62 @@ def snippet_kv_kernel() -> str:
     return print_kernel(next(k for name, k in program.kernels.items() if name.startswith("scatter")))
 
 
+@functools.cache
+def _training_records() -> tuple:
+    """One training step of the Regressor under torch.compile(backend="sextant"), checked against
+    eager; the STATS records of its forward and backward graphs."""
+    import copy
+
+    import sextant.frontend.dynamo as dyn
+
+    torch.manual_seed(0)
+    model = Regressor()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    dyn.STATS.reset()
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    compiled = torch.compile(model, backend="sextant", options={"target": "cpu", "fallback": False})
+    compiled(x, y).backward()
+    eager(x, y).backward()
+    for p, q in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    records = tuple(dyn.STATS.graphs)
+    torch._dynamo.reset()
+    return records
+
+
+def _training_record(role: str):
+    return next(r for r in _training_records() if r.role == role)
+
+
+def snippet_train_stats() -> str:
+    lines = []
+    for r in _training_records():
+        kept = f", {r.saved[0]} saved activations ({r.saved[1]} bytes) in" if r.saved else ""
+        lines.append(f"{r.role:<9} {r.nodes:>3} ATen ops -> {r.target}{kept}, externs: {list(r.externs) or 'none'}")
+    return "\n".join(lines)
+
+
+def snippet_train_forward_return() -> str:
+    graph = _training_record("forward").compiled.graph
+    return str(graph).splitlines()[0] + "\n  ...\n" + "\n".join(str(graph).splitlines()[-2:])
+
+
+def snippet_train_backward_graph() -> str:
+    return str(_training_record("backward").compiled.graph)
+
+
+def snippet_train_backward_schedule() -> str:
+    from sextant.schedule.program import schedule
+
+    return schedule(run_pipeline(_training_record("backward").compiled.stages["captured"]), DOCS_CPU).describe()
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "train-stats": snippet_train_stats,
+    "train-forward-return": snippet_train_forward_return,
+    "train-backward-graph": snippet_train_backward_graph,
+    "train-backward-schedule": snippet_train_backward_schedule,
     "kv-graph": snippet_kv_graph,
     "kv-schedule": snippet_kv_schedule,
     "kv-kernel": snippet_kv_kernel,
