@@ -2,6 +2,7 @@
 
 from sextant.frontend.lowerings import (  # noqa: F401
     attention,
+    backward,
     elementwise,
     moe,
     movement,

@@ -102,4 +102,6 @@ def _sdpa_flash_cpu(ctx: LoweringContext, q: Node, k: Node, v: Node, dropout_p: 
     out, _, m, s = attention(ctx.b, q, k, v, attn_mask, dropout_p, is_causal, scale, gqa)
     b = ctx.b
     lse = b.add(b.unary("log", s), m)
+    if attn_mask is not None:  # a fully hidden row: torch's log-sum-exp is 0 there (the backward relies on it)
+        lse = b.where(b.binary("eq", m, -math.inf), 0.0, lse)
     return b.cast(out, ctx.out_dtype(0)), b.reshape(b.cast(lse, ctx.out_dtype(1)), ctx.out_shape(1))

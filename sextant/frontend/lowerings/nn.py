@@ -192,6 +192,19 @@ def _max_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, dilat
     return best, best_idx
 
 
+def avg_pool_counts(n: int, n_out: int, kernel: int, stride: int, padding: int, count_include_pad: bool) -> list[int]:
+    """torch's divisor along one dim for each output position: the window clipped to the padded input
+    (or, without ``count_include_pad``, to the input); an average pool's divisor is their product."""
+    c = []
+    for o in range(n_out):
+        start = o * stride - padding
+        end = min(start + kernel, n + padding)
+        if not count_include_pad:
+            start, end = max(start, 0), min(end, n)
+        c.append(max(end - start, 1))
+    return c
+
+
 @lower(aten.avg_pool2d.default, aten.avg_pool3d.default, aten.avg_pool1d.default)
 def _avg_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, ceil_mode=False,
               count_include_pad=True, divisor_override=None) -> Node:
@@ -208,14 +221,7 @@ def _avg_pool(ctx: LoweringContext, x: Node, kernel, stride=(), padding=0, ceil_
     # Divisor per output position: window size clipped to the (padded or real) input.
     counts = torch.ones(out_sp, dtype=torch.float64)
     for d in range(nsp):
-        n = x.shape[lead + d]
-        c = []
-        for o in range(out_sp[d]):
-            start = o * stride[d] - padding[d]
-            end = min(start + kernel[d], n + padding[d])
-            if not count_include_pad:
-                start, end = max(start, 0), min(end, n)
-            c.append(max(end - start, 1))
+        c = avg_pool_counts(x.shape[lead + d], out_sp[d], kernel[d], stride[d], padding[d], count_include_pad)
         view = [1] * nsp
         view[d] = out_sp[d]
         counts = counts * torch.tensor(c, dtype=torch.float64).reshape(view)
