@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sextant.graph.ir import Node
     from sextant.schedule.program import Launch, Program
 
 
@@ -34,6 +35,18 @@ def update_summary(p: Program, launch: Launch) -> str:
             f"({_mib(src.type.nbytes)} of {_mib(s.type.nbytes)})")
 
 
+def _downstream(nodes: list[Node], root: Node) -> list[Node]:
+    """``root`` and the nodes of ``nodes`` (in graph order) that read it: a split-key combine's
+    epilogue, listed without the attention its partials kernel computed."""
+    seen = {id(root)}
+    out = []
+    for n in nodes:
+        if n is root or any(id(i) in seen for i in n.inputs):
+            seen.add(id(n))
+            out.append(n)
+    return out
+
+
 def describe_program(p: Program) -> str:
     externs = sum(launch.extern is not None for launch in p.launches)
     calls = f" and {externs} extern call{'s' if externs > 1 else ''}" if externs else ""
@@ -49,10 +62,12 @@ def describe_program(p: Program) -> str:
             lines.append(f"        from {call.loc or '?'}")
             continue
         computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED]
+        k = p.kernels[launch.kernel]
         ops = " ".join(n.op for n in computed)
+        if k.meta.get("mapping") == "attention-split-key-combine" and g.attention is not None:
+            ops = " ".join(["combine", *(n.op for n in _downstream(computed, g.attention.out))])
         locs = sorted({n.loc for n in computed if n.loc})
         args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
-        k = p.kernels[launch.kernel]
         shape = f"grid={_dims(k.grid)} block={_dims(k.block)}" if p.target.is_gpu else f"blocks={launch.blocks}"
         lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} {shape:<12} [{ops}]")
         if (mapping := k.meta.get("mapping")) is not None or launch.kernel in p.resources:
@@ -63,6 +78,8 @@ def describe_program(p: Program) -> str:
                 extra.append(f"ptxas: {r.registers} registers, {block_shared_bytes(k, r.shared_bytes)} B shared, "
                              f"spills {r.spill_stores} B stored / {r.spill_loads} B loaded")
             lines.append(f"        {'; '.join(extra)}")
+        if (split := k.meta.get("split_key")) is not None and "combine" not in k.meta.get("mapping", ""):
+            lines.append(f"        split-key: {split}; partials (O, m, l) to scratch, combined by the next launch")
         if g.kind == "scatter":
             lines.append(f"        {update_summary(p, launch)}")
         lines.append(f"        buffers ({args})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
@@ -63,6 +64,19 @@ MATMUL_BLOCK_M_PACKED = 256  # ... when B is packed: more row tiles share one pa
 PACK_ALIAS_BYTES = 4096  # B is packed when its row stride is a multiple of this (see matmul_kernel)
 MICRO_M: int | None = None  # register tile rows; None: chosen by :func:`micro_tile`
 MICRO_N: int | None = None  # register tile columns (a multiple of the f32 vector width)
+
+
+@dataclass(frozen=True)
+class KernelChain:
+    """A group computed by several kernels, launched in order, that hand values on through scratch
+    buffers (split-key attention: partials, then their combine). Every kernel takes the group's
+    canonical parameters with one buffer per ``scratch`` node between its reads and its outputs.
+    A scratch node is a ``full`` marked ``scratch`` that the schedule appends to the program's graph
+    (so artifacts and dumps name the buffer, as every buffer is named by a node) and never
+    computes: the chain's first kernel writes it, the memory planner places it like any temporary."""
+
+    kernels: tuple[Kernel, ...]
+    scratch: tuple[Node, ...]
 
 
 def external_buffers(group: Group, stored: set[int]) -> list[Node]:

@@ -30,7 +30,7 @@ from sextant.schedule.attention import attention_kernel, attention_refusal
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
-from sextant.schedule.kernels import MAPPINGS, buffers_read, external_buffers
+from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers
 from sextant.schedule.partition import Group, partition
 from sextant.schedule.scatter import scatter_kernel
 from sextant.schedule.split_k import split_k
@@ -332,18 +332,32 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     unique: dict[tuple, str] = {}
     kernels: dict[str, Kernel] = {}
     launches: list[Launch] = []
+    scratch_nodes: list[Node] = []  # a kernel chain's scratch values, appended to the graph below
     externs = 0
     for gi, g in enumerate(groups):
         if all(o.type.numel == 0 for o in g.outputs):
             continue  # nothing to compute: an empty output needs a buffer (allocated below), not a kernel
-        call = None
         if g.kind == "extern":  # an op called as itself: no kernel, its operands and results as buffers
-            name, call, blocks = f"extern_{externs}", extern_call(g), 1
-            reads, writes = g.outputs[0].inputs, g.outputs
+            ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
+                   for n in g.outputs[0].inputs]
+            outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]
+            launches.append(Launch(f"extern_{externs}", gi, tuple(ins + outs), 1, extern_call(g)))
             externs += 1
             work.add("extern calls")
-        else:
-            k = mappings[g.kind](g, stored, target, "kernel")
+            continue
+        mapped = mappings[g.kind](g, stored, target, "kernel")
+        # a chain (split-key attention) launches its kernels in order, its scratch between reads and outputs
+        chain = mapped.kernels if isinstance(mapped, KernelChain) else (mapped,)
+        scratch = mapped.scratch if isinstance(mapped, KernelChain) else ()
+        scratch_nodes += scratch
+        reads, writes = external_buffers(g, stored), g.outputs
+        if g.kind == "scatter":  # it writes the slices into its operand's buffer, reads what computes them
+            reads = buffers_read(g.anchor.inputs[1:], stored)
+            _alias_update(g.anchor, buffers, index_of, graph_outputs)
+        ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in reads]
+        ins += [buffer(n, "temp") for n in scratch]
+        outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in writes]
+        for k in chain:
             work.add("kernels: generated")
             work.add("kernels: statements", _statements(k.body))
             key = (dataclasses.replace(k, name=""), k.meta.get("grid"))
@@ -353,15 +367,11 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
                 unique[key] = name
                 kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds, work)
                 work.add("kernels: finished")
-            reads, writes, blocks = external_buffers(g, stored), g.outputs, launch_blocks(k)
-            if g.kind == "scatter":  # it writes the slices into its operand's buffer, reads what computes them
-                reads = buffers_read(g.anchor.inputs[1:], stored)
-                _alias_update(g.anchor, buffers, index_of, graph_outputs)
-        ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in reads]
-        outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in writes]
-        launches.append(Launch(name, gi, tuple(ins + outs), blocks, call))
+            launches.append(Launch(name, gi, tuple(ins + outs), launch_blocks(k)))
     outputs = [buffer(o, "param" if o.op == "param" else "input" if o.op == "input" else "output")
                for o in graph.outputs]
+    if scratch_nodes:  # the graph names every buffer the program holds (artifacts, dumps)
+        graph = graph.with_nodes((*graph.nodes, *scratch_nodes), graph.outputs)
 
     first, last = _lifetimes(launches)
     arena = 0
