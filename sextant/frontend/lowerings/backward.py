@@ -297,3 +297,34 @@ def _sdpa_flash_cpu_backward(ctx: LoweringContext, gout: Node, q: Node, k: Node,
                                      [a.type.rank - 2]), a.shape[:-3] + (hkv,) + a.shape[-2:]) for a in (dk, dv))
     return tuple(b.reshape(b.cast(a, ctx.out_dtype(i)), ctx.out_shape(i))  # type: ignore[return-value]
                  for i, a in enumerate((dq, dk, dv)))
+
+
+# -- pairwise distances ----------------------------------------------------------------------------
+@lower(aten._cdist_backward.default)
+def _cdist_backward(ctx: LoweringContext, grad: Node, x1: Node, x2: Node, p: float, dist: Node) -> Node:
+    """d/dx1 of cdist(x1 [.., P, M], x2 [.., R, M]): Σ_r grad·∂‖x1_p − x2_r‖_p/∂x1_p, over the [.., P, R, M]
+    differences, with torch's choices where the norm is not differentiable (0 at a zero distance)."""
+    b = ctx.b
+    t = opmath(x1.dtype)
+    a = b.reshape(b.cast(x1, t), x1.shape[:-1] + (1, x1.shape[-1]))
+    c = b.reshape(b.cast(x2, t), x2.shape[:-2] + (1,) + x2.shape[-2:])
+    diff = b.sub(*b.broadcast(a, c))  # [.., P, R, M]
+    g = b.broadcast_to(b.reshape(b.cast(grad, t), grad.shape + (1,)), diff.shape)
+    d = b.broadcast_to(b.reshape(b.cast(dist, t), dist.shape + (1,)), diff.shape)
+    sign, mag = b.unary("sign", diff), b.unary("abs", diff)
+    if p == 0:
+        return b.full(0, ctx.out_shape(), ctx.out_dtype())
+    if p == 1:
+        term = b.mul(g, sign)
+    elif math.isinf(p):  # only the coordinates that attain the max
+        term = b.where(b.binary("eq", mag, d), b.mul(g, sign), 0.0)
+    else:
+        if p == 2:
+            term = b.div(b.mul(g, diff), d)
+        else:
+            term = b.div(b.mul(b.mul(g, sign), b.binary("pow", mag, p - 1)), b.binary("pow", d, p - 1))
+            if p < 1:  # |diff|^(p-1) is infinite at 0: torch takes 0
+                term = b.where(b.binary("eq", diff, 0.0), 0.0, term)
+        term = b.where(b.binary("eq", d, 0.0), 0.0, term)
+    out = b.reduce("sum", term, [diff.type.rank - 2], keepdim=False)
+    return b.reshape(b.cast(out, ctx.out_dtype()), ctx.out_shape())
