@@ -71,6 +71,7 @@ CONV = {  # name: (spatial dims, Cin, Cout, kernel, stride, padding, dilation, g
     "3d": (3, 2, 4, 3, 2, 1, 1, 1, False, 0),
     "transposed-grouped": (2, 4, 6, 3, 2, 1, 1, 2, True, 1),
     "transposed-1d": (1, 4, 2, 4, 2, 1, 1, 1, True, 0),
+    "transposed-output-padding-over-stride": (2, 2, 4, 3, 1, 1, 2, 1, True, 1),
 }
 MASKS = {"all": (True, True, True), "weight": (False, True, False), "input": (True, False, False),
          "bias": (False, False, True)}

@@ -76,6 +76,8 @@ def _convolution_backward(ctx: LoweringContext, gy: Node, x: Node, w: Node, bias
     if output_mask[0]:
         if transposed:  # the adjoint of a transposed conv is the plain conv with the same weight
             gx = b.emit("conv", [gy, w], stride=stride, padding=padding, dilation=dilation, groups=groups)
+            for d in range(sp):  # output padding >= stride (allowed when below the dilation) adds outputs
+                gx = b.slice(gx, 2 + d, 0, x.shape[2 + d])
         else:  # output padding makes the transposed conv as long as the input (the rows no window read)
             extra = tuple(x.shape[2 + d] - ((gy.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
                                             + dilation[d] * (kernel[d] - 1) + 1) for d in range(sp))
