@@ -23,6 +23,7 @@ from sextant.graph.dtypes import DType
 from sextant.graph.ops import IRTypeError, TensorType, infer_type
 from sextant.kernel.ir import (
     Assign,
+    AtomicAdd,
     Binary,
     Buffer,
     Cast,
@@ -141,6 +142,8 @@ class LoweringBase:
             if buf.dtype != s.value.dtype:
                 raise self._fail(f"storing a {s.value.dtype.value} value into {buf.name} ({buf.dtype.value})")
             self._access(b.store(self.math.to_mem(val, buf.dtype), ptr), s.buffer)
+        elif isinstance(s, AtomicAdd):
+            self._atomic_add(s)
         elif isinstance(s, For):
             self._for(s)
         elif isinstance(s, If):
@@ -157,6 +160,32 @@ class LoweringBase:
         else:
             return False
         return True
+
+    def _atomic_add(self, s: AtomicAdd) -> None:
+        """``atomicrmw add``/``fadd`` (relaxed: only the sum must be whole, nothing is ordered by it);
+        PTX gets ``red.global.add``, x86 a ``lock`` add or a compare-exchange loop. bf16 values are
+        held as their i16 bits (no ``bfloat`` type in llvmlite), so their sum is a compare-exchange
+        loop on those bits, rounded through f32 as every bf16 add is."""
+        b = self.b
+        idx, val = self._value(s.index), self._value(s.value)
+        buf, ptr = self._elem_ptr(s.buffer, self._store_index(s.buffer, idx))
+        if buf.dtype != s.value.dtype or buf.dtype == DType.bool:
+            raise self._fail(f"atomic add of a {s.value.dtype.value} value to {buf.name} ({buf.dtype.value})")
+        if buf.dtype != DType.bf16:
+            b.atomic_rmw("fadd" if buf.dtype.is_float else "add", ptr, val, "monotonic")
+            return
+        m, pre = self.math, b.block
+        old0 = b.load_atomic(ptr, "monotonic", 2, typ=mem_type(DType.bf16))
+        loop, done = self.fn.append_basic_block("atomic.cas"), self.fn.append_basic_block("atomic.done")
+        b.branch(loop)
+        b.position_at_end(loop)
+        old = b.phi(old0.type)
+        old.add_incoming(old0, pre)
+        new = m.from_f32(b.fadd(m.to_f32(old, DType.bf16), m.to_f32(val, DType.bf16)), DType.bf16)
+        res = b.cmpxchg(ptr, old, new, "monotonic", "monotonic")
+        old.add_incoming(b.extract_value(res, 0), b.block)
+        b.cbranch(b.extract_value(res, 1), done, loop)
+        b.position_at_end(done)
 
     def _cond(self, e: Expr) -> ir.Value:
         if e.dtype != DType.bool:

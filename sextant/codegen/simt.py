@@ -45,6 +45,7 @@ from sextant.graph.dtypes import DType
 from sextant.kernel.fragments import WARP, MmaShape, mma_shape
 from sextant.kernel.ir import (
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Cast,
@@ -207,7 +208,7 @@ def stmt_exprs(s: PhaseStmt) -> tuple[Expr, ...]:
     """The expressions a statement evaluates itself (not those of nested bodies)."""
     if isinstance(s, Assign):
         return (s.value,)
-    if isinstance(s, Store):
+    if isinstance(s, Store | AtomicAdd):
         return (s.index, s.value)
     if isinstance(s, For):
         return (s.start, s.stop)
@@ -528,7 +529,7 @@ class _Liveness:
                     raise CodegenError(f"register {s.var.name!r} is the variable of a loop that contains a barrier; "
                                        "it cannot be assigned inside the loop")
                 defined.add(s.var.name)
-            elif isinstance(s, Store):
+            elif isinstance(s, Store | AtomicAdd):
                 self._buffer(s.buffer)
             elif isinstance(s, XchgReduce):
                 defined.add(s.var.name)

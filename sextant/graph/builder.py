@@ -223,9 +223,11 @@ class GraphBuilder:
         xs = [x for x in xs if x.shape[axis] > 0] or list(xs[:1])
         return xs[0] if len(xs) == 1 else self.emit("concat", list(xs), axis=axis % xs[0].type.rank)
 
-    def scatter(self, x: Node, axis: int, index: Node, src: Node) -> Node:
-        """``x`` with ``src``'s slices along ``axis`` written at positions ``index`` (1-D)."""
-        return self.emit("scatter", [x, index, src], axis=axis % x.type.rank)
+    def scatter(self, x: Node, axis: int, index: Node, src: Node, reduce: str | None = None) -> Node:
+        """``x`` with ``src``'s slices along ``axis`` written at positions ``index`` (1-D);
+        ``reduce="add"``: added there instead, slices at a repeated position summed."""
+        attrs = {"reduce": reduce} if reduce is not None else {}
+        return self.emit("scatter", [x, index, src], axis=axis % x.type.rank, **attrs)
 
     def gather(self, x: Node, axis: int, index: Node) -> Node:
         return self.emit("gather", [x, index], axis=axis % x.type.rank)

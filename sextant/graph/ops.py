@@ -153,11 +153,14 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
         _check(n == 1, "copy takes 1 operand")
         return ins[0]
 
-    if op == "scatter":  # ``x`` with ``src``'s slices along ``axis`` written at positions ``index``
+    if op == "scatter":  # ``x`` with ``src``'s slices along ``axis`` written (``reduce="add"``: added) at ``index``
         _check(n == 3, "scatter takes 3 operands (x, index, src)")
         x, index, src = ins
         axis = attrs.get("axis")
         _check(isinstance(axis, int) and 0 <= axis < x.rank, f"scatter axis {axis!r} out of range for {x}")
+        reduce = attrs.get("reduce")
+        _check(reduce in (None, "add"), f"scatter reduce must be absent or \"add\", got {reduce!r}")
+        _check(reduce is None or x.dtype != DType.bool, "scatter reduce=\"add\" does not take a bool tensor")
         _check(index.rank == 1 and not index.dtype.is_float and index.dtype != DType.bool,
                f"scatter index must be a 1-D integer tensor, got {index}")
         want = x.shape[:axis] + (index.shape[0],) + x.shape[axis + 1:]

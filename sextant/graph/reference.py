@@ -79,16 +79,19 @@ def _iota(node: Node) -> torch.Tensor:
 
 
 def _scatter(node: Node, x: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``x`` with ``src``'s slices written at ``index`` along the axis; a position outside ``x`` is
-    dropped, as the kernels drop it (the runtime refuses such a position first where it can see it:
-    ``graph/position_checks.py``); of repeated positions, the last slice wins."""
+    """``x`` with ``src``'s slices written (``reduce="add"``: added) at ``index`` along the axis; a
+    position outside ``x`` is dropped, as the kernels drop it (the runtime refuses such a position
+    first where it can see it: ``graph/position_checks.py``); of repeated positions, the last slice
+    wins, or all are summed."""
     axis = node.attr("axis")
     index = index.to(torch.int64)
     keep = (index >= 0) & (index < x.shape[axis])
     out = x.clone()
-    if bool(keep.all()):
-        return out.index_copy_(axis, index, src)
-    return out.index_copy_(axis, index[keep], src.index_select(axis, keep.nonzero().flatten()))
+    if not bool(keep.all()):
+        index, src = index[keep], src.index_select(axis, keep.nonzero().flatten())
+    if node.attr("reduce") == "add":
+        return out.index_add_(axis, index, src)
+    return out.index_copy_(axis, index, src)
 
 
 def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = None) -> torch.Tensor:

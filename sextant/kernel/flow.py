@@ -23,6 +23,7 @@ from sextant.kernel.ir import (
     ASYNC_COPY,
     INDEX,
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Const,
@@ -299,7 +300,7 @@ class Ranges:
                 ends.append(self.leave_branch(env, reachable))
             frame[2] = None
             return self.join(env, ends[0], ends[1])
-        assert isinstance(s, (Store, Barrier, Mma, LdMatrix, *ASYNC_COPY)), s  # no register effect
+        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, *ASYNC_COPY)), s  # no register effect
         return True
 
 

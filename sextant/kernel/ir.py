@@ -132,6 +132,18 @@ class Store:
 
 
 @dataclass(frozen=True, slots=True)
+class AtomicAdd:
+    """``buffer[index] += value`` as one indivisible read-modify-write of a ``global`` buffer:
+    threads that add to the same element all land, in an unspecified order (PTX ``red.global.add``
+    through LLVM's ``atomicrmw``). What a scatter-add needs when many threads hit one element;
+    a float sum's rounding then depends on the order, so it is not bitwise reproducible."""
+
+    buffer: str
+    index: Expr
+    value: Expr
+
+
+@dataclass(frozen=True, slots=True)
 class For:
     """``for var in range(start, stop, step)``; ``unroll`` is a hint to code generation."""
 
@@ -236,7 +248,7 @@ class CpAsyncWait:
     pending: int = 0
 
 
-Stmt = Union[Assign, Store, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit, CpAsyncWait]  # noqa: UP007
+Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit, CpAsyncWait]  # noqa: UP007
 WARP_COLLECTIVE = (WarpReduce, Mma, LdMatrix)  # every lane of the warp executes these together
 ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
 

@@ -23,6 +23,7 @@ import math
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Buffer,
@@ -123,6 +124,8 @@ def stmt_header(s: Stmt) -> str:
         return f"{s.var.name} = {print_expr(s.value)}"
     if isinstance(s, Store):
         return f"{s.buffer}[{print_expr(s.index)}] = {print_expr(s.value)}"
+    if isinstance(s, AtomicAdd):
+        return f"atomic_add({_ref(s.buffer, s.index)}, {print_expr(s.value)})"
     if isinstance(s, For):
         v = s.var.name
         cmp, inc = ("<", f"+= {s.step}") if s.step > 0 else (">", f"-= {-s.step}")

@@ -36,6 +36,7 @@ from sextant.kernel.intervals import CMP_NEGATE, CMP_SWAP, int_range, is_intlike
 from sextant.kernel.ir import (
     ASYNC_COPY,
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Cast,
@@ -476,6 +477,8 @@ def _stmt(s: Stmt, env: Env, ranges: Ranges) -> tuple[list[Stmt], bool]:
         return [Assign(s.var, value)], True
     if isinstance(s, Store):
         return [Store(s.buffer, simp(s.index), simp(s.value))], True
+    if isinstance(s, AtomicAdd):
+        return [AtomicAdd(s.buffer, simp(s.index), simp(s.value))], True
     if isinstance(s, WarpReduce):
         new = dataclasses.replace(s, value=simp(s.value))
         ranges.step(new, env)

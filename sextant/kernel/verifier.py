@@ -40,6 +40,7 @@ from sextant.kernel.intervals import int_range
 from sextant.kernel.ir import (
     INDEX,
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Buffer,
@@ -217,7 +218,7 @@ class _Verifier:
                 self.warp_reduce(s, control)
             self.define(s.var.name)
             return
-        if isinstance(s, Store):
+        if isinstance(s, Store | AtomicAdd):
             self.expr(s.index, s, defined)
             self.expr(s.value, s, defined)
             self.index(s.index, s)
@@ -227,6 +228,9 @@ class _Verifier:
             else:
                 if b.space == "global" and b.role == "in":
                     self.fail(s, f"stores to {s.buffer!r}, an input (role 'in') of the kernel")
+                if isinstance(s, AtomicAdd) and (b.space != "global" or b.dtype == DType.bool):
+                    self.fail(s, f"atomic add to {b.space} {b.dtype.value} buffer {s.buffer!r}: only global "
+                                 "numeric buffers")
                 if s.value.dtype != b.dtype:
                     self.fail(s, f"stores a {s.value.dtype.value} value to {b.dtype.value} buffer {s.buffer!r}")
             return
@@ -425,7 +429,7 @@ class _Verifier:
         for e in _stmt_exprs(s):
             for buf, idx in _accesses(e):
                 self.access(s, buf, idx, env)
-        if isinstance(s, Store):
+        if isinstance(s, Store | AtomicAdd):
             self.access(s, s.buffer, s.index, env, store=True)
         for buf, start, n, store, guard in _ranges_touched(s, self.buffers):
             if guard is not None:
@@ -518,7 +522,7 @@ def _surely_runs(s: For) -> bool:
 def _stmt_exprs(s: Stmt) -> tuple[Expr, ...]:
     if isinstance(s, Assign | WarpReduce):
         return (s.value,)
-    if isinstance(s, Store):
+    if isinstance(s, Store | AtomicAdd):
         return (s.index, s.value)
     if isinstance(s, For):
         return (s.start, s.stop)

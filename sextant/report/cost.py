@@ -73,6 +73,8 @@ def node_flops(n: Node) -> int:
         return n.inputs[0].type.numel - n.type.numel
     if n.op in UNARY or n.op in BINARY or n.op == "where":
         return n.type.numel
+    if n.op == "scatter" and n.attr("reduce") == "add":  # one add per element of the slices
+        return n.inputs[2].type.numel
     if n.op in FREE_OPS or n.op in ("extern", "scatter", "copy"):  # extern: not modelled, its bytes are counted;
         return 0  # scatter and copy move bytes only
     raise ValueError(f"cost model: no FLOP rule for op {n.op!r}")
@@ -156,8 +158,10 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
             continue
         bytes_read += _needed_elements(node, users) * node.dtype.itemsize
     bytes_written = sum(program.buffers[b].nbytes for b in dict.fromkeys(writes))
-    if group.kind == "scatter":  # only the slices it writes
+    if group.kind == "scatter":  # only the slices it writes (an adding one reads them first)
         bytes_written = group.anchor.inputs[2].type.nbytes
+        if group.anchor.attr("reduce") == "add":
+            bytes_read += bytes_written
     # a contraction computes in its operands' type (split-K's partial product: f16 inputs, f32 out)
     compute_dtype = group.anchor.inputs[0].dtype if group.kind in ("matmul", "conv") else group.anchor.dtype
     return LaunchCost(index, launch.kernel, group.kind, compute_dtype, sum(by_op.values()), transcendentals,

@@ -23,7 +23,7 @@ def _dims(d: tuple[int, int, int]) -> str:
 
 def update_summary(p: Program, launch: Launch) -> str:
     """What a scatter launch writes, and where: ``in place: 2 of 64 positions along dim 2 of input
-    %k_cache (1.0 KiB of 32.0 KiB)``."""
+    %k_cache (1.0 KiB of 32.0 KiB)``; an adding one also says how repeated positions are summed."""
     s = p.groups[launch.group].anchor
     x, index, src = s.inputs
     buf = p.buffers[launch.args[-1]]
@@ -31,8 +31,12 @@ def update_summary(p: Program, launch: Launch) -> str:
     if x.op == "copy":
         where += " (a copy of the value it updates: see the notes)"
     axis = s.attr("axis")
-    return (f"in place: {index.shape[0]} of {s.shape[axis]} positions along dim {axis} of {where} "
-            f"({_mib(src.type.nbytes)} of {_mib(s.type.nbytes)})")
+    size = f"({_mib(src.type.nbytes)} of {_mib(s.type.nbytes)})"
+    if s.attr("reduce") == "add":  # an adding scatter: how it sums slices that share a position
+        how = p.kernels[launch.kernel].meta.get("accumulate", "")
+        return (f"in place, adding: {index.shape[0]} slices into {s.shape[axis]} positions along dim {axis} of "
+                f"{where} {size}; repeats summed {how}")
+    return f"in place: {index.shape[0]} of {s.shape[axis]} positions along dim {axis} of {where} {size}"
 
 
 def _downstream(nodes: list[Node], root: Node) -> list[Node]:

@@ -16,6 +16,7 @@ from sextant.codegen.simt import Phase, UniformFor, plan_kernel
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Buffer,
@@ -465,3 +466,22 @@ def test_select_evaluates_only_the_chosen_load():
     mask = torch.arange(T) == 0
     compile_kernels([k]).launch("guarded", [x, mask, y])
     assert y.tolist() == [x[0].item()] + [1.0 + t for t in range(1, T)]
+
+
+@pytest.mark.parametrize("dtype", [DType.f32, DType.bf16, DType.i64])
+def test_atomic_add_from_many_blocks(dtype):
+    """Blocks run on several host threads at once, each adding a long run of ones into the same
+    few bins: every add must land (an atomicrmw, or a compare-exchange loop for bf16). A plain
+    read-modify-write loses adds here (seen: a bin short by a third)."""
+    blocks, per, bins = 8, 96 if dtype == DType.bf16 else 500_000, 3  # bf16 counts exactly to 256 only
+    j = Var("j")
+    body = (For(j, c(0), c(per // bins * bins), 1, (
+        AtomicAdd("bins", Binary("remainder", j, c(bins), I32), Load("x", add(mul(BID, c(per)), j), dtype)),)),)
+    k = Kernel("hist", (Buffer("x", dtype, blocks * per), Buffer("bins", dtype, bins, role="inout")),
+               (blocks, 1, 1), (1, 1, 1), body)
+    m = compile_kernels([k])
+    x = torch.ones(blocks * per, dtype=dtype.torch)
+    for _ in range(3):
+        hist = torch.zeros(bins, dtype=dtype.torch)
+        m.launch("hist", [x, hist])
+        assert torch.equal(hist.double(), torch.full((bins,), float(per // bins * blocks), dtype=torch.float64))

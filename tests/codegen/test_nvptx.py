@@ -31,6 +31,7 @@ from sextant.codegen.ptxas import PtxasError, PtxasResult, assemble, find_ptxas,
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Assign,
+    AtomicAdd,
     Barrier,
     Binary,
     Buffer,
@@ -478,3 +479,26 @@ def test_shared_memory_past_48_kib_is_one_dynamic_array():
     text = str(emit_llvm([small, big]))
     assert re.search(r'@"?big_dynamic_shared"? = external addrspace\(3\) global \[0 x i8\], align 16', text), text
     assert "small_dynamic_shared" not in text and "small.s" in text  # under 48 KiB: a static array
+
+
+def atomic_histogram_kernel(dt: DType, n: int = 1000, bins: int = 7, T: int = 128) -> Kernel:
+    """Every thread adds its element into one of a few bins: many threads hit one address."""
+    i = Var("i")
+    body = (Assign(i, gid(T)),
+            If(lt(i, c(n)), (AtomicAdd("bins", Binary("remainder", i, c(bins), I32), Load("x", i, dt)),)))
+    return Kernel(f"hist_{dt.value}", (Buffer("x", dt, n), Buffer("bins", dt, bins, role="inout")),
+                  (-(-n // T), 1, 1), (T, 1, 1), body)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_atomic_add_is_a_global_atomic(arch):
+    """f32/f16/i32/i64 become ``atom.global.add`` (``red`` when the old value is unused); bf16, which
+    llvmlite holds as i16 bits, a compare-and-swap loop."""
+    kernels = [atomic_histogram_kernel(dt) for dt in (F32, DType.f16, I32, I64, DType.bf16)]
+    check(kernels, arch, {
+        "hist_f32": [r"(atom|red)\.global\.add\.f32"],
+        "hist_f16": [r"(atom|red)\.global\.add\.noftz\.f16"],
+        "hist_i32": [r"(atom|red)\.global\.add\.u32"],
+        "hist_i64": [r"(atom|red)\.global\.add\.u64"],
+        "hist_bf16": [r"atom\.[\w.]*global\.cas\.b32"],
+    })

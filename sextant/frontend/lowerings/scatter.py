@@ -4,10 +4,18 @@ Whole slices written at positions along one dim — ``x[:, :, pos] = v``, ``x.in
 a KV-cache update — become the graph's ``scatter`` primitive: linear in what is written, and
 written in place where ``graph/passes/in_place_updates.py`` proves it safe.
 
-Every other scatter (per-element indices, reductions, several indexed dims) is a one-hot
+Sums — ``x[idx] += v`` (``index_put(accumulate=True)``: ``index_add`` and the embedding backward
+decompose to it), ``scatter_add``, ``scatter_reduce(sum)``, ``put(accumulate=True)`` — become an
+adding ``scatter`` (``reduce="add"``): slices at positions along one dim where the indices
+allow (one indexed dim, or several linearised into one), else a scatter of single elements of the
+flattened tensor (per-element indices: each element's linear position computed from its index and
+its own coordinates). Either way the work is the source's size.
+
+Every other scatter (per-element indices with prod/amax/amin/mean or overwriting) is a one-hot
 reduction: along the scattered dim, output position p combines every source element k whose
 index is p — the lowering compares the index with every position (a [P, K] match mask per
-row), masks the source values with ``where`` and reduces over K. That costs P·K per row.
+row), masks the source values with ``where`` and reduces over K. That costs P·K per row, so past
+``DENSE_LIMIT`` comparisons the lowering refuses (the op then runs as an extern call).
 """
 
 from __future__ import annotations
@@ -58,12 +66,42 @@ def _paste(b: GraphBuilder, x: Node, corner: Node) -> Node:
     return b.where(inside, padded, x)
 
 
+DENSE_LIMIT = 1 << 28  # comparisons a one-hot scatter may cost (positions × source elements)
+
+
+def scatter_elements(b: GraphBuilder, x: Node, dim: int, index: Node, src: Node, reduce: str | None = "add") -> Node:
+    """``x`` with ``src[e]`` added (``reduce=None``: written) at ``x[e with its dim-th coordinate
+    replaced by index[e]]`` for every element ``e`` of ``index`` (torch.scatter_add): a scatter of
+    single elements of the flattened ``x``, each element's linear position computed from its index
+    and its own coordinates. A position outside ``[0, n)`` along ``dim`` becomes -1, which the
+    scatter drops, rather than landing in a neighbouring row."""
+    ishape, n = index.shape, x.shape[dim]
+    k = math.prod(ishape)
+    if k == 0 or x.type.numel == 0:
+        return x
+    pos = b.cast(index, DType.i64)
+    lin = b.mul(pos, math.prod(x.shape[dim + 1:]))
+    for d, (size, stride) in enumerate(zip(ishape, _strides(x.shape))):
+        if d != dim and size > 1:
+            lin = b.add(lin, b.mul(b.iota(ishape, d, DType.i64), stride))
+    inside = b.binary("bitwise_and", b.binary("ge", pos, 0), b.binary("lt", pos, n))
+    lin = b.where(inside, lin, b.full(-1, ishape, DType.i64))
+    vals = b.reshape(b.cast(_crop(b, src, ishape), x.dtype), (k,))
+    out = b.scatter(b.reshape(x, (x.type.numel,)), 0, b.reshape(lin, (k,)), vals, reduce=reduce)
+    return b.reshape(out, x.shape)
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+
 def scatter_reduce(b: GraphBuilder, x: Node, dim: int, index: Node, src: Node, reduce: str,
                    include_self: bool = True) -> Node:
     """torch.scatter_reduce: ``x`` with ``src[k]`` combined into position ``index[k]`` along ``dim``.
 
     ``reduce`` is "assign" (plain scatter: the last write wins), "sum", "prod", "amax", "amin" or "mean".
-    Only the leading ``index.shape`` corner of ``src`` takes part, as in torch.
+    Only the leading ``index.shape`` corner of ``src`` takes part, as in torch. A sum is an adding
+    scatter (``scatter_elements``); ``include_self=False`` first zeroes the positions it hits.
     """
     if x.type.rank == 0:
         one = (1,)
@@ -75,6 +113,13 @@ def scatter_reduce(b: GraphBuilder, x: Node, dim: int, index: Node, src: Node, r
         raise Unsupported(f"scatter with reduce={reduce!r} on a bool tensor")
     dim %= x.type.rank
     ishape, n = index.shape, x.shape[dim]
+    if reduce == "sum":
+        if not include_self:
+            x = scatter_elements(b, x, dim, index, b.full(0, ishape, x.dtype), reduce=None)
+        return scatter_elements(b, x, dim, index, src)
+    if n * math.prod(ishape) > DENSE_LIMIT:
+        raise Unsupported(f"scatter with reduce={reduce!r} of {math.prod(ishape)} elements into {n} positions "
+                          f"(a one-hot match of {n} x {math.prod(ishape)} is past DENSE_LIMIT)")
     region = _crop(b, x, ishape, skip=dim)  # [.., P, ..]
     vals = b.cast(_crop(b, src, ishape), x.dtype)  # [.., K, ..]
     k_axis = dim + 1
@@ -173,8 +218,9 @@ def _index_copy(ctx: LoweringContext, x: Node, dim: int, index: Node, source: No
 
 @lower(aten.index_put.default, aten._unsafe_index_put.default)
 def _index_put(ctx: LoweringContext, x: Node, indices, values: Node, accumulate: bool = False) -> Node:
-    """``x[indices] = values`` (or ``+=``): whole slices at positions along one dim are a ``scatter``;
-    otherwise linearise the indexed dims, then scatter along them as a one-hot reduction."""
+    """``x[indices] = values`` (or ``+=``): whole slices at positions along one dim are a ``scatter``,
+    as is every ``+=`` (an adding one, the indexed dims linearised into one where there are several);
+    an overwrite through several indexed dims is a one-hot reduction along the linearised dims."""
     b = ctx.b
     rank = x.type.rank
     pos = [d for d, ix in enumerate(indices) if ix is not None]
@@ -182,6 +228,14 @@ def _index_put(ctx: LoweringContext, x: Node, indices, values: Node, accumulate:
         return _mask_put(ctx, x, pos, indices, values, accumulate)
     if len(pos) == 1 and not accumulate and indices[pos[0]].type.rank <= 1 and rank > 0:
         return slices_put(b, x, pos[0], indices[pos[0]], values)
+    if len(pos) == 1 and accumulate and x.dtype != DType.bool:  # x[idx] += v: slices added along one dim
+        d, ix = pos[0], indices[pos[0]]
+        k = ix.type.numel
+        if k == 0 or x.type.numel == 0:
+            return x
+        v = b.broadcast_to(b.cast(values, x.dtype), x.shape[:d] + ix.shape + x.shape[d + 1:])
+        v = b.reshape(v, x.shape[:d] + (k,) + x.shape[d + 1:])
+        return b.scatter(x, d, b.reshape(_wrap(b, ix, x.shape[d]), (k,)), v, reduce="add")
     idx = b.broadcast(*(indices[d] for d in pos))
     bshape, nb = idx[0].shape, idx[0].type.rank
     rest = [d for d in range(rank) if d not in pos]
@@ -203,9 +257,12 @@ def _index_put(ctx: LoweringContext, x: Node, indices, values: Node, accumulate:
     else:
         v = b.broadcast_to(values, bshape + rest_shape)
     v = b.reshape(b.cast(v, x.dtype), (k,) + rest_shape)
-    ind = b.expand(b.reshape(linear, (k,) + (1,) * len(rest)), (k,) + rest_shape)
     flat = b.reshape(b.permute(x, pos + rest), (math.prod(sizes),) + rest_shape)
-    out = scatter_reduce(b, flat, 0, ind, v, "sum" if accumulate else "assign")
+    if accumulate and x.dtype != DType.bool:  # the indexed dims linearised: slices added along one
+        out = b.scatter(flat, 0, b.reshape(linear, (k,)), v, reduce="add")
+    else:
+        ind = b.expand(b.reshape(linear, (k,) + (1,) * len(rest)), (k,) + rest_shape)
+        out = scatter_reduce(b, flat, 0, ind, v, "sum" if accumulate else "assign")
     out = b.reshape(out, tuple(sizes) + rest_shape)
     perm = pos + rest
     return b.permute(out, [perm.index(d) for d in range(rank)])
