@@ -37,13 +37,16 @@ EMPTY_LIKE = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided"
 EXPORT, UNSUPPORTED, DTYPE, LOWERING, WRONG, ERROR, CRASH, TIMEOUT = (
     "export failed", "unsupported op", "unsupported dtype", "lowering bug", "wrong result", "error",
     "crash", "time cap")
+# Gradient mode only: correct but a compiled graph calls ATen ops as themselves; Dynamo could not
+# trace the call as one graph; AOTAutograd could not split it into forward and backward.
+EXTERN, GRAPH_BREAK, AOT = "extern calls", "graph break", "AOTAutograd failed"
 
 
 @dataclass(frozen=True)
 class Failure:
     kind: str  # one of the kinds above
     detail: str  # e.g. "aten.sort.default", "complex64", "ValueError: ..."
-    ops: tuple[tuple[str, str], ...] = ()  # UNSUPPORTED: (ATen op, the lowering's reason or "")
+    ops: tuple[tuple[str, str], ...] = ()  # UNSUPPORTED, EXTERN: (ATen op, the lowering's reason or "")
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.detail}"
@@ -66,7 +69,7 @@ class OpResult:
     def extern_only(self) -> bool:
         """Not lowered, but every sample passes with the op called as an extern op."""
         return (not self.ok and self.skip is None and self.tried > 0
-                and all(f.kind == UNSUPPORTED for f in self.failures)
+                and all(f.kind in (UNSUPPORTED, EXTERN) for f in self.failures)
                 and self.passed + self.extern_passed == self.tried)
 
     @property
@@ -183,6 +186,11 @@ class EagerFailed(Exception):
     """Eager PyTorch itself rejects the sample (not a sextant problem: the sample is not counted)."""
 
 
+class NoGradient(EagerFailed):
+    """Gradient mode: no output of the sample requires grad (the sample is not counted; an op with
+    no other samples is skipped)."""
+
+
 @dataclass
 class Prepared:
     """A sample ready to check: its module, input tensors and eager results."""
@@ -214,10 +222,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
 
 
-def prepare(name: str, info: Any, sample: Any) -> Prepared:
-    """Wrap ``sample`` and run it eagerly (twice, under different seeds, to catch random ops)."""
+def prepare(name: str, info: Any, sample: Any, op: Callable[..., Any] | None = None) -> Prepared:
+    """Wrap ``sample`` and run it eagerly (twice, under different seeds, to catch random ops);
+    ``op``: what to call instead of ``info.op``."""
     leaves, spec = pytree.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
-    mod = OpCall(info.op, leaves, spec)
+    mod = OpCall(op or info.op, leaves, spec)
     # copied: some sample generators reuse (and modify) a tensor for the samples they yield later
     tensors = _clone(v for v in leaves if isinstance(v, torch.Tensor))
     expected = _eager(mod, tensors, 0)
@@ -275,27 +284,37 @@ def classify(e: BaseException) -> Failure:
 
 def compare(name: str, info: Any, p: Prepared, actual: list[torch.Tensor], notes: list[str]) -> Failure | None:
     """None if sextant's outputs match eager's; a pass by the float64 criterion is noted in ``notes``."""
-    if len(actual) != len(p.expected):
-        return Failure(WRONG, f"{len(actual)} outputs, eager gives {len(p.expected)}")
+    return compare_values(name, info, p.expected, actual, lambda: _float64_reference(info, p), notes)
+
+
+def compare_values(name: str, info: Any, expected: list[torch.Tensor], actual: list[torch.Tensor],
+                   reference: Callable[[], list[torch.Tensor]], notes: list[str],
+                   labels: list[str] | None = None) -> Failure | None:
+    """Compare ``actual`` with eager's ``expected`` at the op's float32 tolerances; a value outside
+    them still passes when it is as accurate as eager's against ``reference()`` (the same values
+    in float64, computed only if needed; [] where there is none). ``labels`` name the values."""
+    if len(actual) != len(expected):
+        return Failure(WRONG, f"{len(actual)} outputs, eager gives {len(expected)}")
+    labels = labels or [f"output {i}" for i in range(len(expected))]
     rtol, atol = tolerances(info)
-    reference: list[torch.Tensor] | None = None
-    for i, (got, want) in enumerate(zip(actual, p.expected)):
+    wide: list[torch.Tensor] | None = None
+    for label, got, want, i in zip(labels, actual, expected, itertools.count()):
         if name in EMPTY_LIKE:
             if got.shape != want.shape or got.dtype != want.dtype:
-                return Failure(WRONG, f"output {i}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}")
+                return Failure(WRONG, f"{label}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}")
             continue
         try:
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True, check_stride=False)
         except AssertionError as e:
             if _seeded(info):
                 raise RandomOutput() from None  # OpInfo runs random ops under a fixed seed; sextant has no RNG
-            if reference is None:
-                reference = _float64_reference(info, p)
-            if reference and got.dtype == want.dtype and _as_accurate_as_eager(got, want, reference[i]):
+            if wide is None:
+                wide = reference()
+            if wide and got.dtype == want.dtype and _as_accurate_as_eager(got, want, wide[i]):
                 notes.append("float64 reference")
                 continue
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            return Failure(WRONG, f"output {i}: " + " ".join(lines[:2])[:160])
+            return Failure(WRONG, f"{label}: " + " ".join(lines[:2])[:160])
     return None
 
 
@@ -364,14 +383,49 @@ def check_batch(name: str, info: Any, ps: list[Prepared]) -> list[tuple[Failure 
 
 
 # -- one op -------------------------------------------------------------------------------------------
-def run_op(name: str, max_samples: int = MAX_SAMPLES, time_cap: float = OP_TIME_CAP_S) -> OpResult:
-    """Check the first ``max_samples`` float32 samples of OpInfo op ``name``."""
+Verdict = tuple[Failure | None, list[str]]  # a sample's failure (None: it passed) and its notes
+
+
+class Mode:
+    """What is checked for each sample: here, the op's outputs (inference). The gradient mode
+    (``opinfo_grad.GRAD``) overrides the hooks; :func:`run_op` drives either."""
+
+    name = "inference"
+    requires_grad = False  # passed to ``sample_inputs``
+    time_cap = OP_TIME_CAP_S  # samples compiled one by one stop after this long (the op then fails)
+    chunk = 0  # a batch that fails is retried in chunks of this many samples before one by one (0: not)
+
+    def skip(self, info: Any) -> str | None:
+        return skip_reason(info)
+
+    def prepare(self, name: str, info: Any, sample: Any) -> Any:
+        return prepare(name, info, sample)
+
+    def check_batch(self, name: str, info: Any, ps: list[Any]) -> list[Verdict] | None:
+        return check_batch(name, info, ps)
+
+    def check_sample(self, name: str, info: Any, p: Any, notes: list[str]) -> Failure | None:
+        return check_sample(name, info, p, notes)
+
+    def passes_as_extern(self, name: str, info: Any, p: Any, failure: Failure) -> bool:
+        """Whether a sample refused natively passes with its unlowered ops called as extern ops."""
+        return failure.kind == UNSUPPORTED and check_sample(name, info, p, [], strict=False) is None
+
+
+INFERENCE = Mode()
+
+
+def run_op(name: str, max_samples: int = MAX_SAMPLES, time_cap: float | None = None,
+           mode: Mode = INFERENCE) -> OpResult:
+    """Check the first ``max_samples`` float32 samples of OpInfo op ``name`` (``mode``: what is checked;
+    ``time_cap``: default the mode's)."""
     result = OpResult(name)
+    time_cap = mode.time_cap if time_cap is None else time_cap
     info = op_table().get(name)
     if info is None:
         result.skip = "not in op_db"
         return result
-    result.skip = skip_reason(info)
+    result.skip = mode.skip(info)
     if result.skip:
         return result
     cache_export_overhead()
@@ -381,35 +435,54 @@ def run_op(name: str, max_samples: int = MAX_SAMPLES, time_cap: float = OP_TIME_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            _check_op(name, info, result, max_samples, time_cap, start)
+            _check_op(name, info, result, max_samples, time_cap, start, mode)
         except NonTensorOutput as e:
             result.skip = f"non-tensor output ({e})"
         except RandomOutput:
             result.skip = "random output"
+        except NoGradient as e:
+            result.skip = str(e)
     result.seconds = time.monotonic() - start
     return result
 
 
-def _check_op(name: str, info: Any, result: OpResult, max_samples: int, time_cap: float, start: float) -> None:
-    prepared: list[Prepared] = []
+def _check_op(name: str, info: Any, result: OpResult, max_samples: int, time_cap: float, start: float,
+              mode: Mode) -> None:
+    prepared: list[Any] = []
+    no_gradient: NoGradient | None = None
     try:
-        for sample in itertools.islice(info.sample_inputs("cpu", torch.float32, requires_grad=False), max_samples):
-            with contextlib.suppress(EagerFailed):
-                prepared.append(prepare(name, info, sample))
+        for sample in itertools.islice(info.sample_inputs("cpu", torch.float32, requires_grad=mode.requires_grad),
+                                       max_samples):
+            try:
+                prepared.append(mode.prepare(name, info, sample))
+            except NoGradient as e:
+                no_gradient = e
+            except EagerFailed:
+                pass
     except (NonTensorOutput, RandomOutput):
         raise
     except Exception as e:  # the sample generator itself failed
         result.failures.append(Failure(ERROR, f"sample_inputs: {type(e).__name__}: {e}"[:160]))
         return
-    verdicts = check_batch(name, info, prepared) if len(prepared) > 1 else None
+    if not prepared and no_gradient is not None:
+        raise no_gradient
+    verdicts = mode.check_batch(name, info, prepared) if len(prepared) > 1 else None
     if verdicts is None:
         verdicts = []
-        for p in prepared:
-            if time.monotonic() - start > time_cap:
-                result.failures.append(Failure(TIMEOUT, f"stopped after {len(verdicts)} samples"))
+        size = mode.chunk if 1 < mode.chunk < len(prepared) else len(prepared)
+        for i in range(0, len(prepared), size):
+            chunk = prepared[i:i + size]
+            found = mode.check_batch(name, info, chunk) if 1 < len(chunk) < len(prepared) else None
+            for p in chunk if found is None else ():
+                if time.monotonic() - start > time_cap:
+                    break
+                notes: list[str] = []
+                verdicts.append((mode.check_sample(name, info, p, notes), notes))
+            verdicts += found or []
+            if len(verdicts) < i + len(chunk):  # over the time cap
                 break
-            notes: list[str] = []
-            verdicts.append((check_sample(name, info, p, notes), notes))
+        if len(verdicts) < len(prepared):
+            result.failures.append(Failure(TIMEOUT, f"stopped after {len(verdicts)} samples"))
     for p, (failure, notes) in zip(prepared, verdicts):
         result.tried += 1
         if failure is None:
@@ -417,8 +490,8 @@ def _check_op(name: str, info: Any, result: OpResult, max_samples: int, time_cap
             result.by_reference += bool(notes)
         else:
             result.failures.append(failure)
-            if failure.kind == UNSUPPORTED and time.monotonic() - start <= time_cap:  # as an extern call?
-                result.extern_passed += check_sample(name, info, p, [], strict=False) is None
+            if time.monotonic() - start <= time_cap:  # as an extern call?
+                result.extern_passed += mode.passes_as_extern(name, info, p, failure)
 
 
 # -- environment ----------------------------------------------------------------------------------

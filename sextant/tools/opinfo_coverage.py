@@ -2,11 +2,14 @@
 
     python -m sextant.tools.opinfo_coverage [--ops abs,max.reduction_with_dim] [--jobs 2]
                                             [--write-supported FILE] [--markdown FILE]
+    python -m sextant.tools.opinfo_coverage --grad [--ops ...] [--write-supported-grad FILE] [--markdown FILE]
 
 For every op in ``torch.testing._internal.common_methods_invocations.op_db``, the first 20
 float32 sample inputs are compiled and compared with eager PyTorch (``opinfo_check.run_op``).
 Ops run in worker processes, so a crash or a hang in one op cannot take the tool down. The
 table has one row per op; the last line is ``opinfo: <ops passing> ops, <passed>/<tried> samples``.
+With ``--grad``, each sample's gradients are checked instead, through ``torch.compile(backend="sextant")``
+(``opinfo_grad``); the last line then starts ``opinfo grad:``.
 """
 
 from __future__ import annotations
@@ -26,15 +29,20 @@ from typing import Any
 import torch
 
 from sextant.tools.opinfo_check import (
+    AOT,
     CRASH,
     DTYPE,
     ERROR,
     EXPORT,
+    EXTERN,
+    GRAPH_BREAK,
+    INFERENCE,
     LOWERING,
     TIMEOUT,
     UNSUPPORTED,
     WRONG,
     Failure,
+    Mode,
     OpResult,
     op_table,
     quiet_torch_logs,
@@ -45,11 +53,20 @@ HARD_TIMEOUT_S = 240.0  # a worker stuck this long on one op is killed
 
 
 # -- worker processes ---------------------------------------------------------------------------------
-def _serve(conn: Connection) -> None:
+def _mode(grad: bool) -> Mode:
+    if not grad:
+        return INFERENCE
+    from sextant.tools.opinfo_grad import GRAD
+
+    return GRAD
+
+
+def _serve(conn: Connection, grad: bool) -> None:
     torch.set_num_threads(1)
     quiet_torch_logs()
+    mode = _mode(grad)
     while (name := conn.recv()) is not None:
-        conn.send(run_op(name))
+        conn.send(run_op(name, mode=mode))
 
 
 @dataclass
@@ -60,22 +77,24 @@ class _Worker:
     started: float = 0.0
 
     @staticmethod
-    def start(ctx: Any) -> _Worker:
+    def start(ctx: Any, grad: bool) -> _Worker:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        proc = ctx.Process(target=_serve, args=(child, grad), daemon=True)
         proc.start()
         child.close()
         return _Worker(proc, parent)
 
 
-def run_ops(names: list[str], jobs: int) -> Iterator[OpResult]:
-    """Results of ``run_op`` for each name, computed by ``jobs`` worker processes (0: in this process)."""
+def run_ops(names: list[str], jobs: int, grad: bool = False) -> Iterator[OpResult]:
+    """Results of ``run_op`` for each name, computed by ``jobs`` worker processes (0: in this process);
+    ``grad``: the gradient mode."""
     if jobs <= 0:
-        yield from map(run_op, names)
+        mode = _mode(grad)
+        yield from (run_op(name, mode=mode) for name in names)
         return
     ctx = mp.get_context("spawn")
     todo = deque(names)
-    workers = [_Worker.start(ctx) for _ in range(min(jobs, len(names)))]
+    workers = [_Worker.start(ctx, grad) for _ in range(min(jobs, len(names)))]
     try:
         while todo or any(w.op for w in workers):
             for w in workers:
@@ -103,7 +122,7 @@ def run_ops(names: list[str], jobs: int) -> Iterator[OpResult]:
                     w.proc.kill()
                     w.proc.join()
                     yield OpResult(w.op, failures=[lost], seconds=time.monotonic() - w.started)
-                    workers[i] = _Worker.start(ctx)
+                    workers[i] = _Worker.start(ctx, grad)
     finally:
         for w in workers:
             if w.proc.is_alive():
@@ -115,11 +134,11 @@ def run_ops(names: list[str], jobs: int) -> Iterator[OpResult]:
 
 
 # -- reporting ----------------------------------------------------------------------------------------
-def summary_line(results: list[OpResult]) -> str:
+def summary_line(results: list[OpResult], grad: bool = False) -> str:
     ran = [r for r in results if r.skip is None]
-    return (f"opinfo: {sum(r.ok for r in results)} ops, "
+    return (f"opinfo{' grad' if grad else ''}: {sum(r.ok for r in results)} ops, "
             f"{sum(r.passed for r in ran)}/{sum(r.tried for r in ran)} samples; "
-            f"{sum(r.extern_only for r in results)} more ops only as extern calls")
+            f"{sum(r.extern_only for r in results)} more ops only {'with' if grad else 'as'} extern calls")
 
 
 # Why an ATen op has no lowering, where it is not just "not written yet".
@@ -170,14 +189,23 @@ KNOWN_GAPS: dict[str, str] = {
 }
 
 
-def reason_group(r: OpResult) -> str:
-    """One line naming why an op does not fully pass (for grouping in the report)."""
+def _extern_ops(r: OpResult) -> str:
+    """The extern calls of an op's samples (gradient mode: with the graph's role), most common first."""
+    calls = Counter(part for f in r.failures if f.kind == EXTERN for part in f.detail.split(", "))
+    return ", ".join(c for c, _ in calls.most_common())
+
+
+def reason_group(r: OpResult, grad: bool = False) -> str:
+    """One line naming why an op does not fully pass (for grouping in the report); ``grad``: a
+    gradient-mode result (extern calls named, wrong gradients told from wrong outputs)."""
     if r.skip is not None:
         return r.skip
     if r.extern_only:
+        if grad:
+            return f"passes only with extern calls: {_extern_ops(r)}"
         return "no lowering: passes as an extern call (the ATen op called between kernels)"
     kinds = Counter(f.kind for f in r.failures)
-    for kind in (UNSUPPORTED, DTYPE, EXPORT, CRASH, TIMEOUT, LOWERING, ERROR, WRONG):
+    for kind in (UNSUPPORTED, DTYPE, EXPORT, GRAPH_BREAK, AOT, CRASH, TIMEOUT, LOWERING, ERROR, WRONG, EXTERN):
         if kinds[kind]:
             details = [f.detail for f in r.failures if f.kind == kind]
             break
@@ -199,8 +227,18 @@ def reason_group(r: OpResult) -> str:
         return f"dtype not in sextant's type set: {', '.join(sorted(dts))}"
     if kind == EXPORT:
         return "torch.export cannot capture it (" + sorted(details)[0].split(":")[0] + ")"
+    if kind == WRONG and grad:
+        if any(d.startswith("grad of") for d in details):
+            return "wrong gradient (a lowering of a backward op, or its decomposition)"
+        if any("cut off from autograd" in d for d in details):
+            return "an output cut off from autograd"
+        return "wrong forward output"
     if kind == WRONG:
         return "wrong result (a lowering bug)"
+    if kind == EXTERN:
+        return f"some samples fail, the others pass with extern calls: {_extern_ops(r)}"
+    if kind in (GRAPH_BREAK, AOT):
+        return f"{kind}: {sorted(details)[0].split(':')[0][:100]}"
     if kind == LOWERING:
         return "lowering produces the wrong shape/dtype"
     return f"{kind}: {details[0]}"
@@ -215,16 +253,17 @@ def format_table(results: list[OpResult]) -> str:
     return "\n".join(lines)
 
 
-def markdown_gaps(results: list[OpResult]) -> str:
+def markdown_gaps(results: list[OpResult], grad: bool = False) -> str:
     """The coverage figure and the ops that do not fully pass, grouped by reason, as Markdown."""
     groups: dict[str, list[str]] = {}
     for r in results:
         if not r.ok:
-            groups.setdefault(reason_group(r), []).append(r.name)
+            groups.setdefault(reason_group(r, grad), []).append(r.name)
     ok = [r for r in results if r.ok]
-    lines = ["```", summary_line(results), "```", "",
-             f"**{len(ok)} of {len(results)}** OpInfo entries pass all their float32 samples "
-             "(the list is `sextant/tools/opinfo_supported.txt`)."]
+    what = ("pass all their float32 samples with forward and backward compiled by sextant, with no "
+            "extern call (the list is `sextant/tools/opinfo_supported_grad.txt`)") if grad else (
+            "pass all their float32 samples (the list is `sextant/tools/opinfo_supported.txt`)")
+    lines = ["```", summary_line(results, grad), "```", "", f"**{len(ok)} of {len(results)}** OpInfo entries {what}."]
     approx = [f"`{r.name}` ({r.by_reference}/{r.tried})" for r in ok if r.by_reference]
     if approx:
         lines.append(f"Of these, {len(approx)} pass some samples by the float64-reference criterion: "
@@ -236,15 +275,17 @@ def markdown_gaps(results: list[OpResult]) -> str:
 
 
 MD_BEGIN, MD_END = "<!-- opinfo:begin -->", "<!-- opinfo:end -->"
+MD_GRAD_BEGIN, MD_GRAD_END = "<!-- opinfo-grad:begin -->", "<!-- opinfo-grad:end -->"
 
 
-def write_markdown(path: Path, section: str) -> None:
-    """Replace the text between the opinfo markers of ``path``, or write ``section`` as the whole file."""
+def write_markdown(path: Path, section: str, markers: tuple[str, str] = (MD_BEGIN, MD_END)) -> None:
+    """Replace the text between the ``markers`` of ``path``, or write ``section`` as the whole file."""
+    begin, end = markers
     text = path.read_text() if path.exists() else ""
-    if MD_BEGIN in text and MD_END in text:
-        head, rest = text.split(MD_BEGIN, 1)
-        _, tail = rest.split(MD_END, 1)
-        path.write_text(f"{head}{MD_BEGIN}\n{section}{MD_END}{tail}")
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        path.write_text(f"{head}{begin}\n{section}{end}{tail}")
     else:
         path.write_text(section)
 
@@ -253,27 +294,40 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sextant.tools.opinfo_coverage", description=__doc__.splitlines()[0])
     p.add_argument("--ops", help="comma-separated OpInfo names (default: all of op_db)")
     p.add_argument("--jobs", type=int, default=mp.cpu_count(), help="worker processes (0: run in this process)")
+    p.add_argument("--grad", action="store_true",
+                   help="check gradients through torch.compile(backend='sextant') instead of outputs")
     p.add_argument("--write-supported", metavar="FILE", help="write the fully passing op names, sorted")
+    p.add_argument("--write-supported-grad", metavar="FILE",
+                   help="with --grad: write the names of the ops whose gradients fully pass natively, sorted")
     p.add_argument("--markdown", metavar="FILE",
-                   help="write the unsupported ops grouped by reason (between the opinfo markers if FILE has them)")
+                   help="write the unsupported ops grouped by reason (between the opinfo markers if FILE has them; "
+                        "with --grad, the opinfo-grad markers)")
     a = p.parse_args(argv)
+    if a.grad and a.write_supported:
+        p.error("--write-supported lists the inference mode's ops; with --grad use --write-supported-grad")
+    if a.write_supported_grad and not a.grad:
+        p.error("--write-supported-grad needs --grad")
     names = sorted(op_table()) if not a.ops else [n.strip() for n in a.ops.split(",") if n.strip()]
     unknown = [n for n in names if n not in op_table()]
     if unknown:
         p.error(f"not OpInfo names: {', '.join(unknown)}")
     quiet_torch_logs()
     results = []
-    for r in run_ops(names, a.jobs):
+    start = time.monotonic()
+    for r in run_ops(names, a.jobs, a.grad):
         results.append(r)
         print(f"[{len(results)}/{len(names)}] {r.name}: {r.status} ({r.seconds:.1f}s)", file=sys.stderr, flush=True)
     results.sort(key=lambda r: r.name)
     print(format_table(results))
-    if a.write_supported:
-        with open(a.write_supported, "w") as f:
+    supported = a.write_supported_grad if a.grad else a.write_supported
+    if supported:
+        with open(supported, "w") as f:
             f.writelines(f"{r.name}\n" for r in results if r.ok)
     if a.markdown:
-        write_markdown(Path(a.markdown), markdown_gaps(results))
-    print(summary_line(results))
+        write_markdown(Path(a.markdown), markdown_gaps(results, a.grad),
+                       (MD_GRAD_BEGIN, MD_GRAD_END) if a.grad else (MD_BEGIN, MD_END))
+    print(f"{len(names)} ops in {time.monotonic() - start:.0f} s with {a.jobs} jobs", file=sys.stderr)
+    print(summary_line(results, a.grad))
     return 0
 
 
