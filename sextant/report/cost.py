@@ -164,6 +164,16 @@ def launch_cost(program: Program, index: int) -> LaunchCost:
             bytes_read += bytes_written
     # a contraction computes in its operands' type (split-K's partial product: f16 inputs, f32 out)
     compute_dtype = group.anchor.inputs[0].dtype if group.kind in ("matmul", "conv") else group.anchor.dtype
+    chain = [i for i, la in enumerate(program.launches) if la.group == launch.group and la.extern is None]
+    if len(chain) > 1:  # a kernel chain (split-key attention, ``schedule.kernels.KernelChain``): the first
+        # kernel computes the group (epilogue included, as an approximation) into the scratch buffers, the
+        # others only carry the scratch on; the last writes the outputs
+        scratch = sum(program.buffers[b].nbytes for b in dict.fromkeys(reads)
+                      if program.buffers[b].node.attr("scratch") is not None)
+        if index != chain[0]:
+            by_op, transcendentals, bytes_read = {}, 0, scratch
+        if index != chain[-1]:
+            bytes_written = scratch
     return LaunchCost(index, launch.kernel, group.kind, compute_dtype, sum(by_op.values()), transcendentals,
                       bytes_read, bytes_written, launch.blocks, dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
                       launch.extern is None and "tensor-core" in program.kernels[launch.kernel].meta.get("mapping", ""))

@@ -25,8 +25,9 @@ key tiles; keys past the end of a split's range are the next split's. **Hidden t
 skipped**: where the logits hide keys with ``where(mask, x, -inf)`` (``Attention.masks``, as the
 CPU kernel reads them — a static KV cache's positions past the current one, padding), a thread
 reads its key's row of K only when some query row sees the key, and a tile no row sees skips the
-softmax update and its V reads entirely; a split every key of which is hidden writes ``m = -inf,
-l = 0`` and adds nothing in the combine.
+softmax update and its V reads entirely (its three barriers still run: the CPU lowering of the SIMT
+IR cannot branch around a barrier on a value in memory); a split every key of which is hidden
+writes ``m = -inf, l = 0`` and adds nothing in the combine.
 
 Chosen (``decode_plan``) for at most ``MAX_ROWS`` query rows and at least ``MIN_KEYS`` keys, f16,
 bf16 or f32 (SIMT: f32 attention fuses here, where the tensor-core kernel refuses it); prefill

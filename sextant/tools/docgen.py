@@ -672,6 +672,52 @@ def snippet_train_backward_schedule() -> str:
     return schedule(run_pipeline(_training_record("backward").compiled.stages["captured"]), DOCS_CPU).describe()
 
 
+class _DecodeAttention(nn.Module):
+    """One decode step's attention as ``sextant.decoder`` writes it: 12 query heads over 4 K/V heads
+    (repeated by expand), the static cache's boolean mask row."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = k.shape
+        k = k[:, :, None].expand(b, h, 3, s, d).reshape(b, 3 * h, s, d)
+        v = v[:, :, None].expand(b, h, 3, s, d).reshape(b, 3 * h, s, d)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@functools.cache
+def _decode_attention() -> tuple[sextant.CompiledModule, tuple]:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 12, 1, 64).half(), torch.randn(1, 4, 1024, 64).half(), torch.randn(1, 4, 1024, 64).half()
+    mask = (torch.arange(1024) <= 300)[None, None, None]  # position 300 of a 1024-slot static cache
+    args = (q, k, v, mask)
+    return sextant.compile(_DecodeAttention(), args, target="cuda-sim", arch="sm_90", cache=False), args
+
+
+def snippet_decode_attention_schedule() -> str:
+    """A batch-1 decode step's attention for sm_90: split-key partials and their combine, with
+    ptxas's figures and cuda-sim's counters."""
+    from sextant.codegen.counters import count_program
+
+    cm, args = _decode_attention()
+    program = cm.stages["program"]
+    counted = count_program(program, args)
+    return program.describe() + "\n\n" + "\n".join(
+        f"{name} [{program.kernels[name].meta['mapping']}]: {c.summary()}" for name, c in counted.items())
+
+
+def snippet_decode_attention_kernel() -> str:
+    """The partials kernel's key-tile loop in kernel IR, to the online-softmax update: K read only
+    for a key some row sees, the warp's flag, the tile's update guarded on it."""
+    from sextant.kernel.printer import print_kernel
+
+    program = _decode_attention()[0].stages["program"]
+    (k,) = [k for k in program.kernels.values() if k.meta["mapping"] == "attention-split-key-partials"]
+    lines = print_kernel(k).splitlines()
+    head = lines[:lines.index("{")]
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("for (jt"))
+    corr = next(i for i, line in enumerate(lines) if line.lstrip().startswith("Cs["))
+    return "\n".join([*head, "{", "  ...", *lines[start:corr + 3], "    ...", "  }", "  ..."])
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
     "train-stats": snippet_train_stats,
     "train-forward-return": snippet_train_forward_return,
@@ -689,6 +735,8 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "fa-schedule": snippet_fa_schedule,
     "tc-counters": snippet_tc_counters,
     "splitk-schedule": snippet_splitk_schedule,
+    "decode-attention-schedule": snippet_decode_attention_schedule,
+    "decode-attention-kernel": snippet_decode_attention_kernel,
     "tile-ranking": snippet_tile_ranking,
     "tc-kernel-excerpt": snippet_tc_kernel_excerpt,
     "tc-ptx-excerpt": snippet_tc_ptx_excerpt,

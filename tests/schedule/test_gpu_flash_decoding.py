@@ -196,3 +196,42 @@ def test_decode_kernels_assemble_without_spills(arch: str) -> None:
         res = assemble(emit_ptx(list(program.kernels.values()), arch=arch).ptx, arch)
         for name, r in res.kernels.items():
             assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (dtype, rows, d, name, r)
+
+
+def test_decoder_steps_on_cuda_sim_match_eager() -> None:
+    """``sextant.decoder`` (one layer) with a 256-slot static cache (fp16, 4 heads over 2): a prefill, then decode
+    steps whose attention is split-key, updating the caches in place; the tokens are eager's."""
+    from sextant.decoder import Decoder, DecoderConfig, greedy_generate
+
+    torch.manual_seed(0)
+    config = DecoderConfig.tiny(max_cache_len=256, n_layers=1)
+    eager, model = Decoder(config).eval().half(), Decoder(config).eval().half()
+    model.load_state_dict(eager.state_dict())
+    prompt = torch.randint(0, config.vocab_size, (1, 9))
+    prefill = sextant.compile(model, (prompt, torch.arange(9)), target="cuda-sim", cache=False)
+    decode = sextant.compile(model, (prompt[:, :1], torch.tensor([9])), target="cuda-sim", cache=False)
+    assert _mappings(decode) == [PARTIALS, COMBINE] * config.n_layers
+
+    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return (prefill if ids.shape[1] > 1 else decode)(ids, pos)
+
+    with torch.no_grad():
+        want = greedy_generate(eager, prompt, 6)
+        got = greedy_generate(step, prompt, 6)
+    assert torch.equal(got, want)
+
+
+def test_artifact_round_trip_and_cost_of_a_chain(tmp_path: object) -> None:
+    """The scratch buffer is a node of the program's graph: an artifact saves and loads it like any
+    temporary; the cost report gives the FLOPs to the partials launch, the scratch to both."""
+    from sextant.report.cost import program_costs
+    from sextant.runtime import artifact
+
+    q, k, v = _inputs(torch.float16, 1, 4, 4, 1, 300)
+    cm = sextant.compile(Sdpa(), (q, k, v), target="cuda-sim", cache=False)
+    loaded = artifact.load(artifact.save(cm, f"{tmp_path}/decode"))
+    torch.testing.assert_close(loaded(q, k, v), cm(q, k, v), rtol=0, atol=0)
+    partials, combine = program_costs(cm.stages["program"])
+    scratch = 5 * 4 * 66 * 4  # 5 splits x 4 heads x (64 + m + l) f32
+    assert partials.flops > 0 and partials.bytes_written == scratch
+    assert combine.flops == 0 and combine.bytes_read == scratch and combine.bytes_written == 4 * 64 * 2
