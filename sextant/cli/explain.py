@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from sextant.cli.build import Build
 from sextant.graph.ir import Graph
-from sextant.schedule.dump import NOT_COMPUTED
+from sextant.schedule.dump import NOT_COMPUTED, launch_ops
 
 
 def si(value: float, unit: str) -> str:
@@ -132,7 +132,7 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
         mapping = k.meta.get("mapping")
         p(f"  #{i:<2} {launch.kernel:<16} {g.kind:<11} {shape}{res}" + (f"  [{mapping}]" if mapping else ""))
         computed = [n for n in program.computed_nodes(launch) if n.op not in NOT_COMPUTED]
-        p(f"      fused: {' '.join(n.op for n in computed)}")
+        p(f"      fused: {launch_ops(program, launch)}")
         locs = sorted({n.loc for n in computed if n.loc})
         if locs:
             p(f"      from:  {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")

@@ -51,6 +51,16 @@ def _downstream(nodes: list[Node], root: Node) -> list[Node]:
     return out
 
 
+def launch_ops(p: Program, launch: Launch) -> str:
+    """The graph ops a launch computes, in graph order (``[matmul add ...]`` in the dump); a split-key
+    combine lists ``combine`` and the epilogue, not the attention its partials kernel computed."""
+    computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED]
+    g = p.groups[launch.group]
+    if p.kernels[launch.kernel].meta.get("mapping") == "attention-split-key-combine" and g.attention is not None:
+        return " ".join(["combine", *(n.op for n in _downstream(computed, g.attention.out))])
+    return " ".join(n.op for n in computed)
+
+
 def describe_program(p: Program) -> str:
     externs = sum(launch.extern is not None for launch in p.launches)
     calls = f" and {externs} extern call{'s' if externs > 1 else ''}" if externs else ""
@@ -67,9 +77,7 @@ def describe_program(p: Program) -> str:
             continue
         computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED]
         k = p.kernels[launch.kernel]
-        ops = " ".join(n.op for n in computed)
-        if k.meta.get("mapping") == "attention-split-key-combine" and g.attention is not None:
-            ops = " ".join(["combine", *(n.op for n in _downstream(computed, g.attention.out))])
+        ops = launch_ops(p, launch)
         locs = sorted({n.loc for n in computed if n.loc})
         args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
         shape = f"grid={_dims(k.grid)} block={_dims(k.block)}" if p.target.is_gpu else f"blocks={launch.blocks}"

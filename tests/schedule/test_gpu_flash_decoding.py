@@ -235,3 +235,18 @@ def test_artifact_round_trip_and_cost_of_a_chain(tmp_path: object) -> None:
     scratch = 5 * 4 * 66 * 4  # 5 splits x 4 heads x (64 + m + l) f32
     assert partials.flops > 0 and partials.bytes_written == scratch
     assert combine.flops == 0 and combine.bytes_read == scratch and combine.bytes_written == 4 * 64 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_sizes_that_are_not_multiples_of_the_block(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Head 80 for Q·Kᵀ, 48 for V, 3 query rows: the accumulators' rows and columns are computed per
+    element (no constant row per accumulator), the last ones clamped and never stored."""
+    monkeypatch.setenv("SEXTANT_CHECK_RACES", "1")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 3, 80, generator=g).to(dtype), torch.randn(2, 3, 300, 80, generator=g).to(dtype),
+               torch.randn(2, 3, 300, 48, generator=g).to(dtype))
+    mask = _static_cache_mask(2, 3, 300, [40, 280])
+    cm = sextant.compile(Sdpa(), (q, k, v, mask), target="cuda-sim", cache=False)
+    assert _mappings(cm) == [PARTIALS, COMBINE]
+    torch.testing.assert_close(cm(q, k, v, mask).float(), _eager(Sdpa(), (q, k, v, mask)),
+                               rtol=TOL[dtype], atol=TOL[dtype])
