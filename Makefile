@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench coverage clean chromium ptxas
+.PHONY: demo test test-fast lint bench coverage coverage-grad clean chromium ptxas
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,9 @@ lint: $(STAMP)
 
 coverage: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m sextant.tools.opinfo_coverage
+
+coverage-grad: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m sextant.tools.opinfo_coverage --grad
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

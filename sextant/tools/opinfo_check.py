@@ -186,9 +186,9 @@ class EagerFailed(Exception):
     """Eager PyTorch itself rejects the sample (not a sextant problem: the sample is not counted)."""
 
 
-class NoGradient(EagerFailed):
-    """Gradient mode: no output of the sample requires grad (the sample is not counted; an op with
-    no other samples is skipped)."""
+class SkippedSample(EagerFailed):
+    """Gradient mode: the sample is not counted (no output requires grad, a random sample); an op
+    with no other samples is skipped, with this reason."""
 
 
 @dataclass
@@ -440,7 +440,7 @@ def run_op(name: str, max_samples: int = MAX_SAMPLES, time_cap: float | None = N
             result.skip = f"non-tensor output ({e})"
         except RandomOutput:
             result.skip = "random output"
-        except NoGradient as e:
+        except SkippedSample as e:
             result.skip = str(e)
     result.seconds = time.monotonic() - start
     return result
@@ -449,14 +449,14 @@ def run_op(name: str, max_samples: int = MAX_SAMPLES, time_cap: float | None = N
 def _check_op(name: str, info: Any, result: OpResult, max_samples: int, time_cap: float, start: float,
               mode: Mode) -> None:
     prepared: list[Any] = []
-    no_gradient: NoGradient | None = None
+    skipped: SkippedSample | None = None
     try:
         for sample in itertools.islice(info.sample_inputs("cpu", torch.float32, requires_grad=mode.requires_grad),
                                        max_samples):
             try:
                 prepared.append(mode.prepare(name, info, sample))
-            except NoGradient as e:
-                no_gradient = e
+            except SkippedSample as e:
+                skipped = e
             except EagerFailed:
                 pass
     except (NonTensorOutput, RandomOutput):
@@ -464,8 +464,8 @@ def _check_op(name: str, info: Any, result: OpResult, max_samples: int, time_cap
     except Exception as e:  # the sample generator itself failed
         result.failures.append(Failure(ERROR, f"sample_inputs: {type(e).__name__}: {e}"[:160]))
         return
-    if not prepared and no_gradient is not None:
-        raise no_gradient
+    if not prepared and skipped is not None:
+        raise skipped
     verdicts = mode.check_batch(name, info, prepared) if len(prepared) > 1 else None
     if verdicts is None:
         verdicts = []

@@ -211,6 +211,15 @@ def reason_group(r: OpResult, grad: bool = False) -> str:
             break
     else:
         return "no float32 samples"
+    graphs = ("forward graph", "backward graph", "training graph")  # gradient mode: where it failed
+    where = sorted({d.split(":")[0] for d in details if d.split(":")[0] in graphs})
+    if where and kind in (UNSUPPORTED, DTYPE, LOWERING, ERROR):
+        details = [d.split(": ", 1)[1] if d.split(":")[0] in graphs else d for d in details]
+        return f"{' and '.join(where)}: {_reason(r, kind, details, grad)}"
+    return _reason(r, kind, details, grad)
+
+
+def _reason(r: OpResult, kind: str, details: list[str], grad: bool) -> str:
     if kind == UNSUPPORTED:
         pairs = sorted({p for f in r.failures for p in f.ops})
         known = sorted({KNOWN_GAPS[op] for op, _ in pairs if op in KNOWN_GAPS})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +34,11 @@ from sextant.tools.opinfo_check import (
     EagerFailed,
     Failure,
     Mode,
-    NoGradient,
     OpCall,
     RandomOutput,
+    SkippedSample,
     Verdict,
+    _seeded,
     classify,
     compare_values,
     prepare,
@@ -63,6 +65,23 @@ class GradPrepared:
         return [f"output {i}" for i in range(n)] + [f"grad of input {j}" for j in self.wrt]
 
 
+def _unseeded(info: Any) -> Callable[..., Any]:
+    """``info.op``, but for an op OpInfo runs under ``wrapper_set_seed`` (its random ops: dropout,
+    attention with dropout): a copy whose ``wrapper_set_seed`` just calls the op. Dynamo does not
+    trace the seeding (a graph break), and every sample is run under its own seeds anyway; samples
+    whose results then change with the seed are not counted (``prepare_grad``), the others are
+    checked (``dropout_p=0``, ``training=False``)."""
+    op = info.op
+    if not _seeded(info):
+        return op
+
+    def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return types.FunctionType(op.__code__, {**op.__globals__, "wrapper_set_seed": call}, op.__name__,
+                              op.__defaults__, op.__closure__)
+
+
 def _grad_call(info: Any, sample: Any) -> Callable[..., Any]:
     """The function OpInfo's own gradient tests differentiate: the op through its ``gradcheck_wrapper``
     (e.g. symmetrising a Hermitian input), outputs through the sample's ``output_process_fn_grad``.
@@ -76,17 +95,21 @@ def _grad_call(info: Any, sample: Any) -> Callable[..., Any]:
     The masked ops' wrappers (zeroing masked-out outputs) are left out: they are there for gradcheck's
     finite differences, which non-finite outputs break and this comparison does not (``equal_nan``),
     and Dynamo cannot trace them (they hand the op itself to ``torch.masked._output_mask``)."""
-    wrapper, process = info.gradcheck_wrapper, sample.output_process_fn_grad
+    wrapper, process, raw = info.gradcheck_wrapper, sample.output_process_fn_grad, _unseeded(info)
     if wrapper.__name__.startswith("gradcheck_wrapper_masked"):
-        op = info.op
+        op = raw
     else:
         def op(*args: Any, **kwargs: Any) -> Any:
-            return wrapper(info.op, *args, **kwargs)
+            return wrapper(raw, *args, **kwargs)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return pytree.tree_map_only(torch.Tensor, torch.clone, process(op(*args, **kwargs)))
 
     return call
+
+
+class CutOff(Exception):
+    """A compiled output that should require grad does not."""
 
 
 def forward_backward(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], wrt: list[int],
@@ -110,20 +133,21 @@ def forward_backward(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], 
     return [o.detach() for o in outs], diff, cotangents, [g.detach() for g in grads]
 
 
-class CutOff(Exception):
-    """A compiled output that should require grad does not."""
-
-
 def prepare_grad(name: str, info: Any, sample: Any) -> GradPrepared:
     """Wrap ``sample`` and compute its outputs and gradients eagerly, under a fixed seed."""
     fn = _grad_call(info, sample)
     with torch.no_grad():  # the random-op check and the tensors' copies, as in the inference mode
-        base = prepare(name, info, sample, fn)
+        try:
+            base = prepare(name, info, sample, fn)
+        except RandomOutput:
+            if not _seeded(info):
+                raise
+            raise SkippedSample("random output") from None  # e.g. dropout_p > 0: the other samples count
     leaves = pytree.tree_leaves((sample.input, tuple(sample.args), dict(sample.kwargs)))
     flags = [t.requires_grad and t.dtype.is_floating_point for t in leaves if isinstance(t, torch.Tensor)]
     wrt = [i for i, f in enumerate(flags) if f]
     if not wrt:
-        raise NoGradient("no input requires grad")
+        raise SkippedSample("no input requires grad")
     torch.manual_seed(0)
     try:
         outs, diff, cotangents, grads = forward_backward(base.mod, base.tensors, wrt, None, None)
@@ -132,7 +156,7 @@ def prepare_grad(name: str, info: Any, sample: Any) -> GradPrepared:
     except Exception as e:  # e.g. "the derivative for 'target' is not implemented"
         raise EagerFailed(f"{type(e).__name__}: {e}") from e
     if not diff:
-        raise NoGradient("no differentiable output")
+        raise SkippedSample("no differentiable output")
     return GradPrepared(base.mod, base.tensors, wrt, diff, cotangents, outs + grads)
 
 
