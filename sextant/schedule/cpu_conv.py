@@ -70,7 +70,7 @@ def conv_columns(cv: Node, target: TargetDesc) -> int:
 
 def uses_gemm(cv: Node) -> bool:
     w = cv.inputs[1]
-    return w.shape[0] // cv.attr("groups") >= MIN_GROUP_COLUMNS and _constant(w)
+    return w.shape[0] // cv.attr("groups") >= MIN_GROUP_COLUMNS
 
 
 def gemm_weight(cv: Node, target: TargetDesc) -> Node:
@@ -194,11 +194,19 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
 def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
     """Give every implicit-GEMM convolution its ``[G, K, Cout_g]`` weight (``Group.packed``).
 
+    A weight computed from the parameters alone is laid out at compile time: those layout nodes
+    are returned, to be evaluated into constants. Any other weight — an input, as every weight of a
+    training graph is, or a value computed per call, as the gradients a backward convolves with
+    are — is laid out per call by a kernel of its own (an ``elementwise`` group inserted before the
+    convolution's): one copy of the weight, read ``M / mr`` times by the GEMM afterwards, against a
+    direct convolution that would otherwise run several times slower.
+
     The layout nodes are appended to the graph (after everything they read) so the program's
-    graph names every buffer it holds: the artifact format and the dumps refer to buffers by node."""
+    graph names every buffer it holds: the artifact format and the dumps refer to buffers by node.
+    ``groups`` gains the per-call layout groups in place."""
     extra: list[Node] = []
     packed: list[Node] = []
-    for g in groups:
+    for g in list(groups):
         if g.kind != "conv" or not uses_gemm(g.anchor):
             continue
         w = g.anchor.inputs[1]
@@ -207,9 +215,13 @@ def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
         while stack and stack[-1] is not w:  # the new nodes between w and p, in definition order
             chain.append(stack[-1])
             stack = [stack[-1].inputs[0]]
-        extra += reversed(chain)
+        chain.reverse()
+        extra += chain
         g.packed[id(w)] = p
-        packed.append(p)
+        if _constant(w):
+            packed.append(p)
+        else:
+            groups.insert(groups.index(g), Group("elementwise", p, members=list(chain), outputs=[p]))
     if not extra:
         return graph, []
     return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed

@@ -57,6 +57,18 @@ class Group:
         return (a.inputs[0].shape, a.attr("axes")) if self.kind == "reduce" else (a.shape, ())
 
 
+def strided_rows(b: Node) -> bool:
+    """Whether ``b`` re-indexes a non-weight value so that a row of ``b`` is not a contiguous run of
+    the stored value: through a permutation that moves the last axis, or a concat, pad or gather
+    (each element then picks its source, or its position, by a computed index)."""
+    moved = False
+    while b.op in MOVEMENT:
+        if b.op in ("concat", "pad", "gather") or (b.op == "permute" and b.attr("perm")[-1] != b.type.rank - 1):
+            moved = True
+        b = b.inputs[0]
+    return moved and b.op != "param"
+
+
 def inlinable(n: Node) -> bool:
     return is_elementwise(n.op) or n.op in MOVEMENT or n.op in ("full", "iota")
 
@@ -66,7 +78,7 @@ def is_buffer(n: Node) -> bool:
 
 
 def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False,
-              fuse_attention: bool = True,
+              contiguous_rhs: bool = False, fuse_attention: bool = True,
               attention_refusal: Callable[[Attention], str | None] | None = None) -> list[Group]:
     """The fused groups of ``graph`` in a valid launch order; ``work`` counts the nodes the
     fusion walks visited.
@@ -76,11 +88,20 @@ def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_input
     Cout·kernel / vector times, and its implicit GEMM wants one add per read; the GPU stages its
     tiles through shared memory and computes them there once).
 
+    ``contiguous_rhs``: a matmul's right-hand side that re-indexes a computed value (or an input)
+    so that its rows are not contiguous — ``permute(W)`` of a Linear layer whose weight is an input,
+    as in a training graph, ``dYᵀ`` or the concat of ``dQ, dK, dV`` in a backward — is stored in its
+    own layout first
+    (:func:`strided_rows`): the CPU GEMM reads ``nr`` consecutive columns of B per step, which
+    through a transpose are ``nr`` gathers ``K`` elements apart. A weight's is prepacked at compile
+    time instead (``program.prepack_weights``).
+
     ``fuse_attention``: each ``softmax(f(Q·Kᵀ))·V`` chain (``attention_match``) is one
     ``attention`` group, its score and probability matrices never stored — unless
     ``attention_refusal`` (the target's) gives a reason not to, which the dump then shows."""
     fusion = _Fusion(graph, work if work is not None else WorkCounter())
     fusion.store_conv_inputs = store_conv_inputs
+    fusion.contiguous_rhs = contiguous_rhs
     fusion.fuse_attention = fuse_attention
     fusion.attention_refusal = attention_refusal
     return fusion.run()
@@ -100,6 +121,7 @@ class _Fusion:
 
     def __init__(self, graph: Graph, work: WorkCounter) -> None:
         self.store_conv_inputs = False
+        self.contiguous_rhs = False
         self.fuse_attention = True
         self.refused_attention: list[tuple[Node, str]] = []
         self.attention_refusal: Callable[[Attention], str | None] | None = None
@@ -135,6 +157,10 @@ class _Fusion:
                         continue  # an attention's probabilities: computed in its kernel, never stored
                     if self.store_conv_inputs and n.op == "conv" and operand is n.inputs[0] \
                             and inlinable(operand) and not is_buffer(operand):
+                        stored.add(id(operand))
+                        continue
+                    if self.contiguous_rhs and n.op == "matmul" and operand is n.inputs[1] \
+                            and id(n) not in group_of and strided_rows(operand):  # (attention reads K, V itself)
                         stored.add(id(operand))
                         continue
                     while operand.op in MOVEMENT and operand.op != "gather":  # re-indexing is free: store below it

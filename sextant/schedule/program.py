@@ -302,7 +302,8 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         graph = explicit_padding(graph)
     else:
         graph, split_notes = split_k(graph, target)
-    groups = partition(graph, work, store_conv_inputs=not target.is_gpu, attention_refusal=attention_refusal(target))
+    groups = partition(graph, work, store_conv_inputs=not target.is_gpu, contiguous_rhs=not target.is_gpu,
+                      attention_refusal=attention_refusal(target))
     packed = prepack_weights(graph, groups, target)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)

@@ -202,3 +202,21 @@ def test_double_backward_is_refused_clearly() -> None:
     (gx,) = torch.autograd.grad(y, x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         gx.sum().backward()
+
+
+def test_batchnorm_training_mode_through_sextant_compile() -> None:
+    """Outside autograd, ``sextant.compile`` of a train-mode BatchNorm uses the batch's statistics
+    and writes the new running mean, variance and batch count back into the module's buffers."""
+    import sextant
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    ref = copy.deepcopy(model)
+    compiled = sextant.compile(model, (torch.randn(2, 3, 8, 8),))
+    for step in range(2):
+        x = torch.randn(2, 3, 8, 8)
+        torch.testing.assert_close(compiled(x), ref(x), rtol=1e-4, atol=1e-5)
+        bn, ref_bn = model[1], ref[1]
+        torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=1e-4, atol=1e-6)
+        assert int(bn.num_batches_tracked) == step + 1

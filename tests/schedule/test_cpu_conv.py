@@ -106,17 +106,25 @@ def test_padding_is_copied_once_and_weights_laid_out_in_strips() -> None:
     assert any(n is layout for n in program.graph.nodes)  # the program's graph names the buffer
 
 
-def test_weights_computed_from_an_input_use_the_direct_mapping() -> None:
+def test_weights_computed_from_an_input_are_laid_out_per_call() -> None:
+    """A weight that is an input (every weight of a training graph) or computed from one still gets
+    the implicit GEMM: a kernel of its own lays it out per call, launched before the convolution."""
     class DynamicWeight(nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.conv2d(x, w * 2, padding=1)
 
     x, w = torch.randn(1, 8, 6, 6), torch.randn(16, 8, 3, 3)
     compiled = sextant.compile(DynamicWeight(), (x, w), target="cpu")
-    x2, w2 = torch.randn_like(x), torch.randn_like(w)
-    torch.testing.assert_close(compiled(x2, w2), DynamicWeight()(x2, w2), atol=1e-5, rtol=1e-4)
+    for _ in range(2):  # a new weight each call: the layout is not a constant
+        x2, w2 = torch.randn_like(x), torch.randn_like(w)
+        torch.testing.assert_close(compiled(x2, w2), DynamicWeight()(x2, w2), atol=1e-5, rtol=1e-4)
     program = compiled.stages["program"]
-    assert all(not g.packed for g in program.groups)
+    (conv_group,) = [g for g in program.groups if g.kind == "conv"]
+    (layout,) = conv_group.packed.values()
+    order = [program.groups[launch.group] for launch in program.launches]
+    (maker,) = [g for g in order if layout in g.outputs]
+    assert maker.kind == "elementwise" and order.index(maker) < order.index(conv_group)
+    assert not program.constants or all(v.shape != layout.shape for v in program.constants.values())
 
 
 def test_weights_computed_from_several_params_are_laid_out_at_compile_time() -> None:
