@@ -147,11 +147,13 @@ def _compile(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | N
 
 
 def bind_buffers(compiled: CompiledModule, module: torch.nn.Module) -> None:
-    """Hand the compiled module the live buffers ``module.forward()`` updates (a KV cache): each call
-    reads them and stores their new values back, as eager does (``graph.ir.Mutation``)."""
+    """Hand the compiled module the live buffers (a KV cache) or parameters (an optimizer step)
+    ``module.forward()`` updates: each call reads them and stores their new values back, as eager
+    does (``graph.ir.Mutation``)."""
     g = compiled.graph
     names = [m.target for m in sorted(g.mutations, key=lambda m: m.input) if m.kind == "buffer"]
-    compiled.bind_state([module.get_buffer(name) for name in names])
+    params = dict(module.named_parameters())
+    compiled.bind_state([params[name] if name in params else module.get_buffer(name) for name in names])
 
 
 def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],

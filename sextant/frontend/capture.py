@@ -132,8 +132,8 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
     tensors = {**ep.state_dict, **ep.constants}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     leaves: list[InputLeaf] = []
-    mutated = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
-    state: list[tuple[str, Any]] = []  # mutated buffers: inputs after the user's, in signature order
+    mutated = {spec.target for spec in sig.output_specs if spec.kind in _STATE_MUTATIONS}
+    state: list[tuple[str, Any]] = []  # updated buffers and parameters: inputs after the user's, in order
     for spec, ph in zip(sig.input_specs, placeholders):
         if spec.kind == InputKind.USER_INPUT:
             val = ph.meta.get("val")
@@ -144,7 +144,7 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
                 continue
             env[ph.name] = b.input(spec.arg.name, syms.shape(val.shape), DType.from_torch(val.dtype))
             leaves.append(InputLeaf(spec.arg.name, len(b.inputs) - 1))
-        elif spec.kind == InputKind.BUFFER and spec.target in mutated:
+        elif spec.kind in (InputKind.BUFFER, InputKind.PARAMETER) and spec.target in mutated:
             state.append((spec.target, ph))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = tensors[spec.target]
@@ -187,12 +187,13 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
     outputs, updates, constants = [], [], []
     for spec, r in zip(sig.output_specs, results):
         value = env[r.name] if isinstance(r, torch.fx.Node) else r
-        if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+        if spec.kind in (*_STATE_MUTATIONS, OutputKind.USER_INPUT_MUTATION):
             updates.append((spec, value))
             continue
         if spec.kind != OutputKind.USER_OUTPUT:
             raise UnsupportedOpError([UnsupportedOp(f"<{spec.kind.name} output>", "<graph signature>", "", "",
-                                                    "only returned tensors and updated buffers or inputs")])
+                                                    "only returned tensors and updated buffers, parameters or "
+                                                    "inputs")])
         if isinstance(value, (int, float, bool)) or value is None:  # a size torch.export computed: a constant
             constants.append((len(outputs) + len(constants), value))
             continue
@@ -209,6 +210,9 @@ def translate(ep: ExportedProgram, name: str = "main", dim_names: Mapping[str, s
     return graph
 
 
+_STATE_MUTATIONS = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
+
+
 def _check_state(target: str, tensor: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
     """A buffer updated in ``forward()`` must own its storage: one that shares memory with a parameter
     or another buffer would see the update through both names, which sextant does not model."""
@@ -222,13 +226,15 @@ def _check_state(target: str, tensor: torch.Tensor, tensors: Mapping[str, torch.
 
 
 def _mutations(updates: list, b: GraphBuilder, leaves: list[InputLeaf], returned: int) -> list[Mutation]:
-    """The graph's ``Mutation`` records for torch.export's BUFFER_MUTATION / USER_INPUT_MUTATION outputs."""
+    """The graph's ``Mutation`` records for torch.export's BUFFER_MUTATION, PARAMETER_MUTATION (an
+    optimizer step updating the weights: module state like a buffer, ``kind="buffer"``) and
+    USER_INPUT_MUTATION outputs."""
     by_name = {n.attr("name"): n for n in b.inputs}
     leaf_of = {leaf.name: leaf for leaf in leaves}
     out = []
     for k, (spec, value) in enumerate(updates):
         target = spec.target
-        if spec.kind == OutputKind.BUFFER_MUTATION:
+        if spec.kind in _STATE_MUTATIONS:
             node, kind = by_name[target], "buffer"
         else:
             leaf = leaf_of.get(target)

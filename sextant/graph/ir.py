@@ -102,7 +102,8 @@ class InputLeaf:
 class Mutation:
     """A tensor the module writes in ``forward()`` (a KV cache, a running statistic, an argument
     updated in place): graph output ``output`` holds its new value, which the runtime stores into
-    the tensor behind graph input ``input`` after each call — a module buffer named ``target``
+    the tensor behind graph input ``input`` after each call — a module buffer (or a parameter an
+    optimizer step updates) named ``target``
     (``kind="buffer"``: the compiled module passes the live buffer as that input) or the caller's
     argument ``target`` (``kind="input"``). When the schedule writes the new value into the input's
     own storage (``graph/passes/in_place_updates.py``) the store is a no-op."""

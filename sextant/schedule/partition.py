@@ -249,7 +249,74 @@ class _Fusion:
             g.members.sort(key=lambda m: pos[id(m)])
             g.outputs = [m for m in g.members if id(m) in stored]
         groups.sort(key=lambda g: pos[id(g.members[-1])])
+        groups = self.merge_elementwise_chains(groups)
         return self.dependency_order(groups)
+
+    def merge_elementwise_chains(self, groups: list[Group]) -> list[Group]:
+        """An elementwise kernel whose stored values one other elementwise kernel alone reads, each
+        directly at the element it writes (an elementwise op of the same shape), is computed inside
+        that kernel: one launch storing both — an optimizer's momentum and the parameter updated
+        from it, a saved activation and the value computed from it — instead of a kernel storing a
+        value that the next one loads back."""
+        stored, group_of = self.stored, self.group_of
+        readers: dict[int, set[int]] = {}  # stored node -> the groups that load it
+        for g in groups:
+            members = {id(m) for m in g.members}
+            seen: set[int] = set()
+            stack = [i for m in g.members for i in m.inputs]
+            while stack:
+                n = stack.pop()
+                if id(n) in seen or id(n) in members:
+                    continue
+                seen.add(id(n))
+                if id(n) in stored or is_buffer(n):
+                    readers.setdefault(id(n), set()).add(id(g))
+                elif id(n) not in group_of:  # inlined into g: look through it
+                    stack.extend(n.inputs)
+        by_id = {id(g): g for g in groups}
+        merged: set[int] = set()
+
+        def plain(g: Group) -> bool:
+            return g.kind == "elementwise" and not (g.outputs[0].op == "concat" and len(g.outputs) == 1)
+
+        for a in groups:
+            if not plain(a) or id(a) in merged:
+                continue
+            into = {r for o in a.outputs for r in readers.get(id(o), ())}
+            if len(into) != 1:
+                continue
+            b = by_id[next(iter(into))]
+            shape = a.outputs[0].shape
+            if b is a or not plain(b) or any(o.shape != shape for o in (*a.outputs, *b.outputs)):
+                continue
+            if not self._read_in_place(a.outputs, {id(m) for m in b.members}, shape):
+                continue
+            b.members = sorted(a.members + b.members, key=lambda m: self.pos[id(m)])
+            b.outputs = [m for m in b.members if id(m) in stored]
+            b.notes += a.notes
+            for m in a.members:
+                group_of[id(m)] = b
+            merged.add(id(a))
+        return [g for g in groups if id(g) not in merged]
+
+    def _read_in_place(self, values: list[Node], members: set[int], shape: tuple) -> bool:
+        """Whether every use of ``values`` is by elementwise ops of ``shape`` — a group's members
+        (``members``) or unstored ungrouped ops inlined on the way to them — so each element is
+        read at the index it is written."""
+        stack, seen = [u for v in values for u in self.users[v]], set()
+        while stack:
+            u = stack.pop()
+            if id(u) in seen:
+                continue
+            seen.add(id(u))
+            if not is_elementwise(u.op) or u.shape != shape:
+                return False
+            if id(u) in members:
+                continue
+            if id(u) in self.group_of or id(u) in self.stored or id(u) in self.outputs:
+                return False
+            stack.extend(self.users[u])
+        return True
 
     def form_attention_groups(self) -> set[int]:
         """One ``attention`` group per matched chain (anchored at ``O``; every member depends on

@@ -672,6 +672,40 @@ def snippet_train_backward_schedule() -> str:
     return schedule(run_pipeline(_training_record("backward").compiled.stages["captured"]), DOCS_CPU).describe()
 
 
+def snippet_train_optimizer_step() -> str:
+    """Two SGD-with-momentum steps of the Regressor under torch.compile(opt.step, backend="sextant"),
+    checked against eager; the schedule of the second (the first creates the momentum buffers)."""
+    import copy
+
+    import sextant.frontend.dynamo as dyn
+
+    torch.manual_seed(0)
+    model = Regressor()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    torch._dynamo.reset()
+    dyn.STATS.reset()
+    step = torch.compile(opt.step, backend="sextant", options={"target": "cpu", "fallback": False})
+    for _ in range(2):
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        for m in (model, eager):
+            m(x, y).backward()
+        step()
+        eager_opt.step()
+        opt.zero_grad()
+        eager_opt.zero_grad()
+    for p, q in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p)
+    compiled = dyn.STATS.graphs[-1].compiled
+    torch._dynamo.reset()
+    graph = compiled.graph
+    updates = [line.split(" {")[0] for line in str(graph).splitlines() if line.lstrip().startswith("update")]
+    return (f"{len(graph.mutations)} updates ({len(updates) // 2} parameters, {len(updates) // 2} momentum buffers), "
+            f"e.g.\n" + "\n".join(updates[:1] + updates[len(updates) // 2:len(updates) // 2 + 1]) + "\n\n"
+            + compiled.stages["program"].describe())
+
+
 class _DecodeAttention(nn.Module):
     """One decode step's attention as ``sextant.decoder`` writes it: 12 query heads over 4 K/V heads
     (repeated by expand), the static cache's boolean mask row."""
@@ -723,6 +757,7 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "train-forward-return": snippet_train_forward_return,
     "train-backward-graph": snippet_train_backward_graph,
     "train-backward-schedule": snippet_train_backward_schedule,
+    "train-optimizer-step": snippet_train_optimizer_step,
     "kv-graph": snippet_kv_graph,
     "kv-schedule": snippet_kv_schedule,
     "kv-kernel": snippet_kv_kernel,

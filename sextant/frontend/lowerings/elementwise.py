@@ -6,7 +6,7 @@ import math
 
 from torch.ops import aten
 
-from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower, opmath
+from sextant.frontend.lowerings.registry import LoweringContext, Unsupported, lower, lower_named, opmath
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 
@@ -250,6 +250,16 @@ def _hypot(ctx: LoweringContext, a: Node, b: Node) -> Node:
     out = ctx.out_dtype()
     x, y = ctx.b.cast(a, out), ctx.b.cast(b, out)
     return ctx.b.unary("sqrt", ctx.b.add(ctx.b.mul(x, x), ctx.b.mul(y, y)))
+
+
+@lower_named("prims.fma.default")
+def _fma(ctx: LoweringContext, a, b, c) -> Node:
+    """``a * b + c``: Inductor's decompositions (registered once ``torch._inductor`` is imported)
+    leave it, in ``lerp`` — AdamW's moment update. The kernels' ``contract`` flag lets LLVM fuse the
+    pair into one FMA again where the target has one."""
+    out = ctx.out_dtype()
+    a, b, c = (ctx.b.cast(v, out) if isinstance(v, Node) else ctx.b.full(v, ctx.out_shape(), out) for v in (a, b, c))
+    return ctx.b.add(ctx.b.mul(a, b), c)
 
 
 @lower(aten.copysign.Tensor, aten.copysign.Scalar)
