@@ -45,6 +45,8 @@ class GraphBuilder:
         self.inputs: list[Node] = []
         self.params: dict[str, torch.Tensor] = {}
         self.loc: str | None = None
+        self._seed: Node | None = None
+        self._streams = 0
 
     # -- sources ---------------------------------------------------------------------------
     def emit(self, op: str, inputs: Sequence[Node] = (), **attrs: object) -> Node:
@@ -85,10 +87,24 @@ class GraphBuilder:
     def arange(self, n: int, dtype: DType = DType.i64) -> Node:
         return self.iota((n,), 0, dtype)
 
+    def random(self, shape: Sequence[int], dtype: DType, dist: str = "uniform") -> Node:
+        """Random numbers (``dist``: "uniform" in [0, 1) or "normal"), each op its own Philox stream
+        of the per-call seed, which becomes the graph's last input (``Graph.seed``) on first use."""
+        if self._seed is None:
+            loc, self.loc = self.loc, None
+            self._seed = self.input("rng_seed", (), DType.i64)
+            self.loc = loc
+        self._streams += 1
+        return self.emit("random", [self._seed], shape=tuple(shape), dtype=dtype, dist=dist,
+                         stream=self._streams - 1)
+
     def build(self, outputs: Sequence[Node], in_spec: object = None, out_spec: object = None,
               leaves: Sequence[InputLeaf] = (), mutations: Sequence[Mutation] = ()) -> Graph:
+        seed = None if self._seed is None else self._seed.attr("index")
+        if seed is not None and seed != len(self.inputs) - 1:
+            raise ValueError("the seed input must be the graph's last input (no input may follow a random op)")
         return Graph(self.name, tuple(self.nodes), tuple(self.inputs), tuple(outputs), dict(self.params),
-                     in_spec, out_spec, tuple(leaves), tuple(mutations))
+                     in_spec, out_spec, tuple(leaves), tuple(mutations), seed=seed)
 
     # -- conversions -----------------------------------------------------------------------
     def cast(self, x: Node, dtype: DType) -> Node:

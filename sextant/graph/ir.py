@@ -121,7 +121,7 @@ class Graph:
     ``in_spec``/``out_spec`` are torch pytree specs that rebuild the module's argument and
     result structure from the flat ``inputs``/``outputs``. ``mutations`` name the outputs that are
     new values of tensors the module updates (after the user's outputs, which ``out_spec`` covers);
-    a mutated buffer is an input past the user's (no leaf names it).
+    a mutated buffer is an input past the user's (no leaf names it), and so is ``seed``.
     """
 
     name: str
@@ -136,6 +136,9 @@ class Graph:
     # returned values that are not tensors, as (position among the returned values, value): an int
     # torch.export computed from static sizes (``out_spec`` counts them; ``outputs`` does not)
     constant_outputs: tuple[tuple[int, int | float | bool | None], ...] = ()
+    # the input (its index, the last one) that each call fills with a fresh seed drawn from
+    # torch's generator, for the graph's ``random`` ops (graph/philox.py); None when it has none
+    seed: int | None = None
 
     @property
     def user_outputs(self) -> tuple[Node, ...]:

@@ -62,7 +62,7 @@ REDUCE_FNS = frozenset({"sum", "prod", "max", "min"})
 MOVEMENT = frozenset({"reshape", "permute", "expand", "slice", "pad", "concat", "gather"})
 SOURCES = frozenset({"input", "param", "full", "iota"})
 ALL_OPS = (UNARY | BINARY | MOVEMENT | SOURCES
-           | {"where", "cast", "copy", "reduce", "matmul", "conv", "extern", "scatter"})
+           | {"where", "cast", "copy", "reduce", "matmul", "conv", "extern", "scatter", "random"})
 # fmt: on
 
 _FLOAT_ONLY_BINARY = frozenset({"atan2"})
@@ -106,6 +106,14 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
             _check(isinstance(value, (int, float, bool)) or (isinstance(value, SymDim) and dtype.is_int),
                    "full.value must be a number (or a size, for an integer fill)")
         return TensorType(shape, dtype)
+
+    if op == "random":  # Philox numbers keyed by the call's seed (graph/philox.py)
+        _check(n == 1 and ins[0].dtype == DType.i64 and ins[0].rank == 0, "random takes one operand, the i64[] seed")
+        shape = _ints(attrs.get("shape"), "random.shape")
+        _check(isinstance(attrs.get("dtype"), DType) and attrs["dtype"].is_float, "random.dtype must be a float type")
+        _check(attrs.get("dist") in ("uniform", "normal"), "random.dist must be 'uniform' or 'normal'")
+        _check(isinstance(attrs.get("stream"), int) and attrs["stream"] >= 0, "random.stream must be an index")
+        return TensorType(shape, attrs["dtype"])
 
     if op == "extern":  # an op called as itself (sextant/graph/extern.py): its type is what torch recorded
         _check(all(isinstance(attrs.get(k), str) for k in ("fn", "args", "kwargs")),

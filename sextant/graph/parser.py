@@ -26,6 +26,7 @@ _NODE = re.compile(
 )
 _FLOAT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)")
 _RETURN = re.compile(r"return \((?P<outs>[^)]*)\)$")
+_SEED = re.compile(r"seed (?P<src>%[\w.]+)$")
 _UPDATE = re.compile(r"update (?P<dst>%[\w.]+) <- (?P<src>%[\w.]+) "
                      r"\{(?P<kind>buffer|input)=(?P<target>\"(?:[^\"\\]|\\.)*\")\}$")
 
@@ -122,6 +123,7 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
     constants: tuple = ()
     param_tensors: dict[str, torch.Tensor] = {}
     updates: list[tuple[Node, Node, str, str]] = []
+    seed: int | None = None
     for lineno, line in enumerate(lines[1:], start=2):
         if line == "}":
             break
@@ -137,6 +139,12 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
                 raise ParseError(f"line {lineno}: {u['dst']} is not a graph input (only inputs are updated)")
             updates.append((dst, src, u["kind"], json.loads(u["target"])))
             continue
+        if sd := _SEED.match(line):
+            node = _lookup(env, sd["src"], lineno)
+            if node.op != "input" or node.type.rank or node.dtype.value != "i64":
+                raise ParseError(f"line {lineno}: the seed {sd['src']} must be an i64[] graph input")
+            seed = node.attr("index")
+            continue
         nm = _NODE.match(line)
         if not nm:
             raise ParseError(f"line {lineno}: cannot parse {line!r}")
@@ -150,7 +158,7 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
             except SymbolicShapeError as e:
                 raise ParseError(f"line {lineno}: {e}") from None
         t = _type_at(nm["type"], bounds, lineno)
-        if op in SOURCES or op == "extern":
+        if op in SOURCES or op in ("extern", "random"):
             attrs.update(shape=t.shape, dtype=t.dtype)
         if op == "cast":
             attrs["dtype"] = t.dtype
@@ -176,7 +184,7 @@ def parse_graph(text: str, params: Mapping[str, torch.Tensor] | None = None) -> 
         mutations.append(Mutation(len(outputs), dst.attr("index"), target, kind))
         outputs += (src,)
     return Graph(m["name"], tuple(nodes), tuple(inputs), outputs, param_tensors, mutations=tuple(mutations),
-                 constant_outputs=constants)
+                 constant_outputs=constants, seed=seed)
 
 
 def _type_at(text: str, bounds: Bounds, lineno: int) -> TensorType:

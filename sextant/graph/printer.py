@@ -28,7 +28,8 @@ from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import SOURCES
 from sextant.graph.symbolic import describe, graph_symbols
 
-_IMPLIED = {op: ("shape", "dtype") for op in SOURCES} | {"cast": ("dtype",), "extern": ("shape", "dtype")}
+_IMPLIED = {op: ("shape", "dtype") for op in SOURCES} | {"cast": ("dtype",), "extern": ("shape", "dtype"),
+                                                    "random": ("shape", "dtype")}
 _IMPLIED["input"] = ("shape", "dtype", "name", "index")
 _NAME_OK = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
@@ -87,6 +88,8 @@ def print_graph(graph: Graph, *, show_loc: bool = True) -> str:
     for m in graph.mutations:  # a value the call stores back: ``update %cache <- %7 {buffer="kv.k"}``
         new = names.get(id(graph.outputs[m.output]), "%<undefined>")
         lines.append(f"  update {names[id(graph.inputs[m.input])]} <- {new} {{{m.kind}={json.dumps(m.target)}}}")
+    if graph.seed is not None:  # the input each call fills with a fresh seed (graph/philox.py)
+        lines.append(f"  seed {names[id(graph.inputs[graph.seed])]}")
     lines.append("}")
     return "\n".join(lines)
 

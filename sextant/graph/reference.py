@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from sextant.graph import philox
 from sextant.graph.extern import call_extern
 from sextant.graph.ir import Graph, Node, topo_sort
 from sextant.graph.symbolic import is_symbolic
@@ -136,6 +137,8 @@ def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = No
         return torch.full(node.shape, node.attr("value"), dtype=node.dtype.torch)
     if op == "iota":
         return _iota(node)
+    if op == "random":
+        return philox.random(int(args[0]), node.attr("stream"), node.shape, node.dtype.torch, node.attr("dist"))
     if op == "extern":
         return call_extern(node.attr("fn"), node.attr("args"), node.attr("kwargs"), args)[node.attr("result")]
     if op == "param":

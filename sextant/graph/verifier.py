@@ -59,6 +59,11 @@ def verify(graph: Graph, *, where: str = "") -> None:
         elif graph.outputs[m.output].type != graph.inputs[m.input].type:
             fail(None, f"update of {m.target!r}: new value {graph.outputs[m.output].type} does not match "
                        f"the tensor {graph.inputs[m.input].type}")
+    if graph.seed is not None and (graph.seed != len(graph.inputs) - 1 or graph.inputs[graph.seed].type.rank
+                                   or graph.inputs[graph.seed].dtype.value != "i64"):
+        fail(None, f"the seed (input {graph.seed}) must be the last input, an i64[] scalar")
+    if graph.seed is None and any(n.op == "random" for n in graph.nodes):
+        fail(None, "a random op in a graph with no seed input")
     if len({m.input for m in graph.mutations}) != len(graph.mutations):
         fail(None, "a tensor is updated twice")
     if errors:

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from sextant.errors import InputError
 from sextant.graph.bind import is_symbolic_graph
 from sextant.graph.ir import Graph
+from sextant.graph.philox import draw_seed
 from sextant.graph.position_checks import position_checks
 
 Executor = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
@@ -34,8 +35,11 @@ class CompiledModule:
         self.stages = stages or {}  # per-stage artifacts (e.g. the graph after each pass), for inspection
         # the common call — positional tensors only — is checked without flattening a pytree
         g = graph
-        # mutated buffers are inputs after the user's: the module's live tensors (bind_state)
-        self._user_inputs = len(g.inputs) - sum(m.kind == "buffer" for m in g.mutations)
+        # mutated buffers are inputs after the user's: the module's live tensors (bind_state); then
+        # the seed of the graph's random ops, drawn from torch's generator at each call
+        self._seeded = g.seed is not None
+        self._n_state = sum(m.kind == "buffer" for m in g.mutations)
+        self._user_inputs = len(g.inputs) - self._n_state - self._seeded
         self._state: list[torch.Tensor] = []
         self.full_write_backs = 0  # updates stored back by a copy, not written in place by the program
         # one check per argument and bound (a decoder's every layer writes its caches at the same positions)
@@ -147,7 +151,7 @@ class CompiledModule:
         """The tensors behind the graph's updated buffers (``Mutation.kind == "buffer"``), in input
         order: the module's own buffers, read and updated by every call as eager ``forward()`` does."""
         g = self.graph
-        nodes = g.inputs[self._user_inputs:]
+        nodes = g.inputs[self._user_inputs:self._user_inputs + self._n_state]
         if len(tensors) != len(nodes):
             raise InputError(f"expected {len(nodes)} state tensor(s), got {len(tensors)}")
         for t, node in zip(tensors, nodes):
@@ -176,11 +180,13 @@ class CompiledModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         g = self.graph
-        if not g.mutations and not self._position_checks:
+        if not g.mutations and not self._position_checks and not self._seeded:
             return self._unflatten(self._executor(self.flat_inputs(args, kwargs)))
-        if len(self._state) != len(g.inputs) - self._user_inputs:
+        if len(self._state) != self._n_state:
             raise InputError("this module updates buffers in forward(), and has none bound (bind_state)")
         inputs = self.flat_inputs(args, kwargs)[:self._user_inputs] + self._state
+        if self._seeded:
+            inputs.append(draw_seed(self.device))
         self.check_positions(inputs)
         outs = self._executor(inputs)
         for m in g.mutations:  # a value the program wrote into the tensor's own storage needs no copy

@@ -13,7 +13,7 @@ from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node, make_node
 from sextant.graph.parser import parse_graph
-from sextant.graph.passes import FINALLY, PIPELINES, run_pipeline, trace_pipeline
+from sextant.graph.passes import FINALLY, FIRST, PIPELINES, run_pipeline, trace_pipeline
 from sextant.graph.passes.cse import cse_key
 from sextant.graph.passes.dce import live_nodes
 from sextant.graph.passes.pipeline import PASSES, Pass
@@ -37,6 +37,7 @@ def _example() -> Graph:
 
 
 def test_default_pipeline(assert_equivalent):
+    assert FIRST["default"] == ["expand_random"]
     assert PIPELINES["default"] == ["simplify", "constant_fold", "cse", "dce"]
     g = _example()
     g2 = run_pipeline(g)
@@ -65,11 +66,15 @@ def test_print_after_all_prints_every_pass_in_parseable_form():
     out = run_pipeline(g, print_after_all=True, stream=buf)
     text = buf.getvalue()
     headers = [ln for ln in text.splitlines() if ln.startswith("// ---- IR after ")]
-    assert headers[:4] == [f"// ---- IR after {p} ----" for p in PIPELINES["default"]]
-    # rounds of the four passes (a last one that changes nothing), then the passes run once at the end
+    first = [f"// ---- IR after {p} ----" for p in FIRST["default"]]
+    assert headers[:len(first)] == first
+    assert headers[len(first):len(first) + 4] == [f"// ---- IR after {p} ----" for p in PIPELINES["default"]]
+    # the passes run once first, rounds of the four passes (a last one that changes nothing), then
+    # the passes run once at the end
     final = [f"// ---- IR after {p} ----" for p in FINALLY["default"]]
     assert headers[len(headers) - len(final):] == final
-    assert (len(headers) - len(final)) % 4 == 0 and len(headers) - len(final) >= 8
+    rounds = len(headers) - len(final) - len(first)
+    assert rounds % 4 == 0 and rounds >= 8
     last = text.split(headers[-1])[-1]
     assert last.strip() == print_graph(out)
     assert print_graph(parse_graph(last)) == print_graph(out)
@@ -90,7 +95,9 @@ def test_trace_reports_each_pass_until_fixed_point():
     final = FINALLY["default"]
     assert [r.name for r in trace[len(trace) - len(final):]] == final
     assert not any(r.changed for r in trace[len(trace) - len(final):])  # no scatter here
-    trace = trace[:len(trace) - len(final)]
+    first = FIRST["default"]
+    assert [r.name for r in trace[:len(first)]] == first and not any(r.changed for r in trace[:len(first)])
+    trace = trace[len(first):len(trace) - len(final)]
     assert [r.name for r in trace] == PIPELINES["default"] * (len(trace) // 4)
     rounds = [trace[i:i + 4] for i in range(0, len(trace), 4)]
     assert len(rounds) >= 2
@@ -100,7 +107,7 @@ def test_trace_reports_each_pass_until_fixed_point():
         assert r.nodes_before == prev.nodes_after
     assert trace[0].nodes_before == len(g.nodes)
     assert print_graph(trace[-1].graph) == print_graph(run_pipeline(g))
-    assert len(trace_pipeline(g, "default", max_rounds=1)) == 4 + len(final)
+    assert len(trace_pipeline(g, "default", max_rounds=1)) == len(first) + 4 + len(final)
 
 
 def test_verifier_runs_after_each_pass_and_names_it(monkeypatch):

@@ -7,6 +7,7 @@ from sextant.frontend.lowerings import (  # noqa: F401
     moe,
     movement,
     nn,
+    random,
     reductions,
     resample,
     scatter,

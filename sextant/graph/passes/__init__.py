@@ -1,5 +1,15 @@
-"""Graph-to-graph passes (simplify, constant folding, CSE, DCE) and the pipeline that runs them."""
+"""Graph-to-graph passes (random-op expansion, simplify, constant folding, CSE, DCE, in-place
+updates) and the pipeline that runs them."""
 
-from sextant.graph.passes.pipeline import FINALLY, PASSES, PIPELINES, Pass, PassResult, run_pipeline, trace_pipeline
+from sextant.graph.passes.pipeline import (
+    FINALLY,
+    FIRST,
+    PASSES,
+    PIPELINES,
+    Pass,
+    PassResult,
+    run_pipeline,
+    trace_pipeline,
+)
 
-__all__ = ["FINALLY", "PASSES", "PIPELINES", "Pass", "PassResult", "run_pipeline", "trace_pipeline"]
+__all__ = ["FINALLY", "FIRST", "PASSES", "PIPELINES", "Pass", "PassResult", "run_pipeline", "trace_pipeline"]

@@ -18,6 +18,7 @@ from sextant.graph.ir import Graph
 from sextant.graph.passes.constant_fold import constant_fold
 from sextant.graph.passes.cse import cse
 from sextant.graph.passes.dce import dce
+from sextant.graph.passes.expand_random import expand_random
 from sextant.graph.passes.in_place_updates import in_place_updates
 from sextant.graph.passes.simplify import simplify
 from sextant.graph.printer import print_graph
@@ -42,6 +43,7 @@ class PassResult:
 
 
 PASSES: dict[str, Pass] = {p.name: p for p in [
+    Pass("expand_random", expand_random, "spell each random op out as Philox4x32-10 integer arithmetic on the seed"),
     Pass("simplify", simplify, "algebraic identities: x+0, x*1, reshape/permute/cast chains, where(true, a, b), ..."),
     Pass("constant_fold", constant_fold, "evaluate ops on constants into full or folded.<n> params"),
     Pass("cse", cse, "merge structurally identical nodes"),
@@ -52,6 +54,10 @@ PASSES: dict[str, Pass] = {p.name: p for p in [
 
 PIPELINES: dict[str, list[str]] = {
     "default": ["simplify", "constant_fold", "cse", "dce"],
+}
+# passes a named pipeline runs once, before its rounds: expansions the rounds then simplify
+FIRST: dict[str, list[str]] = {
+    "default": ["expand_random"],
 }
 # passes a named pipeline runs once, after its rounds reach a fixed point (rewrites such as CSE
 # would otherwise merge the copies in_place_updates makes, and it would make them again)
@@ -91,6 +97,12 @@ def _resolve(pipeline: str | Sequence[str], max_rounds: int | None) -> tuple[lis
 def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rounds: int | None,
          work: WorkCounter | None = None) -> Iterator[PassResult]:
     passes, rounds = _resolve(pipeline, max_rounds)
+    for p in [PASSES[n] for n in FIRST.get(pipeline, [])] if isinstance(pipeline, str) else []:
+        new = p.fn(graph)
+        if verify_each:
+            verify(new, where=f"pass '{p.name}'")
+        yield PassResult(p.name, new, len(graph.nodes), len(new.nodes), not same_graph(graph, new))
+        graph = new
     for _ in range(rounds):
         round_changed = False
         for p in passes:
