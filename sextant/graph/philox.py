@@ -8,8 +8,13 @@ of the same kernel and this reference give the same bits, whatever the launch sh
 the generator CUDA's cuRAND, JAX and torch's CUDA backend use.
 
 sextant's stream: key = the 64-bit seed drawn from torch's generator at each call (so
-``torch.manual_seed`` makes runs reproducible); counter = (element index low word, element index
-high word, the op's ``stream`` number, 0). Two ``random`` ops of one graph differ by their stream.
+``torch.manual_seed`` makes runs reproducible); counter = (low word, high word of ``index +
+offset``, the op's ``stream`` number, 0), where ``index`` is the element's row-major index and
+``offset`` the seed's bits 1..62 (``OFFSET``). Two ``random`` ops of one graph differ by their
+stream. The offset makes every counter depend on the call, as torch's own (seed, offset) Philox
+state does: without it the first round's products of the element index would be compile-time
+constants, which constant folding would store as tables (8 bytes an element) instead of
+computing them.
 Numbers differ from eager torch's (its CPU generator is a Mersenne twister): tests compare
 statistics, never bits with eager.
 
@@ -28,6 +33,7 @@ M0, M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85  # key schedule: the golden ratio and sqrt(3) - 1, as 32-bit fractions
 ROUNDS = 10
 MASK = 0xFFFFFFFF
+OFFSET = (1 << 62) - 1  # the counter offset is (seed >> 1) & OFFSET: index + offset stays below 2**63
 # bits of a 32-bit word a uniform of each float type keeps: exactly representable in [0, 1)
 MANTISSA = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
@@ -51,7 +57,7 @@ def philox4x32(ctr: Sequence[torch.Tensor], key: Sequence[torch.Tensor | int],
 def words(seed: int, stream: int, shape: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Philox's four words for every element of a tensor of ``shape`` (row-major element index)."""
     n = math.prod(shape)
-    idx = torch.arange(n, dtype=torch.int64)
+    idx = torch.arange(n, dtype=torch.int64) + ((seed >> 1) & OFFSET)
     ctr = (idx & MASK, (idx >> 32) & MASK, torch.full_like(idx, stream & MASK), torch.zeros_like(idx))
     key = (seed & MASK, (seed >> 32) & MASK)
     return tuple(w.reshape(tuple(shape)) for w in philox4x32(ctr, key))

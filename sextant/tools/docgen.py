@@ -706,6 +706,31 @@ def snippet_train_optimizer_step() -> str:
             + compiled.stages["program"].describe())
 
 
+class _DropoutHead(nn.Module):
+    """A linear layer, GELU and dropout in training mode: the random op and the seed input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(16, 32), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(F.gelu(self.fc(x)))
+
+
+def snippet_train_dropout() -> str:
+    """A training-mode dropout as captured (one random op, the seed line) and scheduled on the CPU
+    (the Philox rounds fused into the kernel that applies the mask)."""
+    from sextant.schedule.program import schedule
+
+    torch.manual_seed(0)
+    captured = sextant.capture(_DropoutHead().train(), (torch.randn(8, 16),))
+    lines = str(captured).splitlines()
+    random = next(i for i, line in enumerate(lines) if "= random(" in line)
+    shown = [lines[0], "  ...", *lines[random - 1:]]
+    graph = run_pipeline(captured)
+    return "\n".join(shown) + "\n\n" + schedule(graph, DOCS_CPU).describe()
+
+
 class _DecodeAttention(nn.Module):
     """One decode step's attention as ``sextant.decoder`` writes it: 12 query heads over 4 K/V heads
     (repeated by expand), the static cache's boolean mask row."""
@@ -758,6 +783,7 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "train-backward-graph": snippet_train_backward_graph,
     "train-backward-schedule": snippet_train_backward_schedule,
     "train-optimizer-step": snippet_train_optimizer_step,
+    "train-dropout": snippet_train_dropout,
     "kv-graph": snippet_kv_graph,
     "kv-schedule": snippet_kv_schedule,
     "kv-kernel": snippet_kv_kernel,

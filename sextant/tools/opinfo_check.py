@@ -307,7 +307,7 @@ def compare_values(name: str, info: Any, expected: list[torch.Tensor], actual: l
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True, check_stride=False)
         except AssertionError as e:
             if _seeded(info):
-                raise RandomOutput() from None  # OpInfo runs random ops under a fixed seed; sextant has no RNG
+                raise RandomOutput() from None  # eager's numbers under OpInfo's seed: sextant draws its own (Philox)
             if wide is None:
                 wide = reference()
             if wide and got.dtype == want.dtype and _as_accurate_as_eager(got, want, wide[i]):

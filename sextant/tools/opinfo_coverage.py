@@ -150,11 +150,11 @@ KNOWN_GAPS: dict[str, str] = {
     **dict.fromkeys(_ops("nonzero masked_select unique_dim _unique2 unique_consecutive repeat_interleave.Tensor "
                          "item _local_scalar_dense sym_size.int segment_reduce"),
                     "data-dependent output shape or values read on the host"),
-    **dict.fromkeys(_ops("bernoulli bernoulli.p normal.Tensor_Tensor normal.Tensor_float normal.float_Tensor "
-                         "normal_functional uniform exponential geometric log_normal cauchy rand randn randint.low "
-                         "randint multinomial native_dropout randperm rand_like randn_like randint_like "
+    **dict.fromkeys(_ops("normal.Tensor_Tensor normal.Tensor_float normal.float_Tensor "
+                         "normal_functional uniform exponential geometric log_normal cauchy randint.low "
+                         "randint multinomial randperm randint_like "
                          "randint_like.low_dtype rrelu_with_noise_functional"),
-                    "random numbers (sextant has no RNG)"),
+                    "random distributions not lowered (sextant's Philox op draws uniform and normal numbers)"),
     **dict.fromkeys(_ops("kthvalue median median.dim nanmedian nanmedian.dim mode"),
                     "needs a selection primitive (sort and topk are lowered for rows of moderate length)"),
     **dict.fromkeys(_ops("cummax cummin logcumsumexp _cummax_helper _cummin_helper"), "needs a scan primitive"),

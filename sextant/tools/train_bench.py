@@ -2,7 +2,8 @@
 
 Three small-config models, fp32 on the CPU, trained with SGD (momentum 0.9): a GPT-2-style LM
 (``transformers.GPT2LMHeadModel``), a ResNet-style CNN with BatchNorm in training mode, and a ViT
-(``transformers.ViTForImageClassification``); dropout 0 (sextant has no in-kernel RNG yet). Each
+(``transformers.ViTForImageClassification``); dropout 0, so that every path computes the same losses
+(sextant draws its own Philox numbers, not torch's). Each
 (model, path) runs in its own process, so its peak memory is its own and Inductor's compile workers
 cannot land in another path's timings. Paths: eager; ``torch.compile`` (Inductor, default mode);
 ``torch.compile(backend="sextant")`` (forward and backward graphs compiled by sextant). Both compiled

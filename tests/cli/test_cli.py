@@ -48,7 +48,8 @@ def test_compile_cuda_sim_dump_all(tmp_path: Path) -> None:
                 *(f"ptx/{k}.ptx" for k in kernels)]:
         assert rel in listed and (tmp_path / rel).stat().st_size > 0, rel
     assert sorted(p.name for p in (tmp_path / "kernel").iterdir()) == [f"{k}.kir" for k in kernels]
-    assert len([f for f in listed if f.startswith("passes/")]) == 9  # two rounds of 4, then in_place_updates
+    # expand_random, two rounds of 4, then in_place_updates
+    assert len([f for f in listed if f.startswith("passes/")]) == 10
     assert "graph @MLP(%x: f32[8,64])" in (tmp_path / "graph.txt").read_text()
     assert "kernel matmul_1" in (tmp_path / "kernel/matmul_1.kir").read_text()
     ptx = (tmp_path / "ptx/matmul_1.ptx").read_text()

@@ -88,3 +88,11 @@ def test_seed_line_prints_and_parses() -> None:
 def test_default_pipeline_expands_random_ops() -> None:
     g = run_pipeline(_graph((8,), DType.f32, "uniform"), "default")
     assert "random" not in g.op_counts() and g.seed == len(g.inputs) - 1
+
+
+def test_counters_are_computed_not_folded_into_tables() -> None:
+    """The element index and the rounds' products stay computations: constant folding must not
+    turn them into i64 tables of the tensor's size (passes/constant_fold.py's run-time indices)."""
+    g = run_pipeline(_graph((16, 32), DType.f32, "uniform", count=2), "default")
+    assert not g.params, list(g.params)
+    assert g.op_counts().get("iota", 0) >= 2

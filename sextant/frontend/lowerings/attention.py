@@ -51,8 +51,9 @@ def attention(b: GraphBuilder, q: Node, k: Node, v: Node, mask: Node | None, dro
     the mask hides entirely gives 0, as eager does, not the NaN a plain softmax would.
     """
     if dropout_p:
-        raise Unsupported(f"dropout_p={dropout_p}: sextant has no random numbers; attention dropout "
-                          "only belongs in training (pass dropout_p=0.0 outside model.training)")
+        raise Unsupported(f"dropout_p={dropout_p}: attention dropout is not lowered yet (its backward would "
+                          "need the forward's mask); it only belongs in training (pass dropout_p=0.0 outside "
+                          "model.training)")
     t = opmath(q.dtype)
     q, k, v = b.cast(q, t), b.cast(k, t), b.cast(v, t)
     if gqa and q.type.rank >= 3:

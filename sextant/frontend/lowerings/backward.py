@@ -264,8 +264,8 @@ def _sdpa_flash_cpu_backward(ctx: LoweringContext, gout: Node, q: Node, k: Node,
     """P = exp(scale·QKᵀ + mask − lse) recomputed; dV = PᵀdO, dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O)),
     dQ = scale·dS·K, dK = scale·dSᵀ·Q (K and V gradients summed over each group's query heads)."""
     if dropout_p:
-        raise Unsupported(f"attention backward with dropout_p={dropout_p}: sextant has no random numbers "
-                          "(train with dropout_p=0.0)")
+        raise Unsupported(f"attention backward with dropout_p={dropout_p}: attention dropout is not lowered "
+                          "yet (train with dropout_p=0.0, or dropout outside the attention)")
     b = ctx.b
     t = opmath(q.dtype)
     q, k, v, gout, out = (b.cast(a, t) for a in (q, k, v, gout, out))

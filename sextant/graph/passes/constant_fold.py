@@ -10,7 +10,8 @@
    named ``folded.<n>`` (or a ``full`` if the result is uniform) — e.g. the rotary tables
    built from ``arange``. A comparison of two iotas (the causal mask ``key <= query``) is the
    exception: it stays, since a kernel recomputes it with a compare and a fused attention kernel
-   recognises it. Only results of at most
+   recognises it; so is an integer index (``iota_0 * 32 + iota_1``) that is only combined with
+   run-time values (the counters of random numbers). Only results of at most
    ``max(65536, largest materialised operand)`` elements fold; an ``expand`` whose result
    would become a param is never folded (its operand is), as it would only cost memory.
 
@@ -148,6 +149,25 @@ def _index_predicate(n: Node, indexed: set[Node], users: dict[Node, list[Node]],
     return bool(selects) and all(not all(_constant(x, constant) for x in u.inputs[1:]) for u in selects)
 
 
+def _runtime_indices(graph: Graph, users: dict[Node, list[Node]], constant: dict[Node, bool]) -> set[Node]:
+    """Integer affine combinations of iotas (``iota_0 * 32 + iota_1``: an element's flat index)
+    whose values only reach computations on run-time values, directly or through other such
+    combinations — the counters of the Philox rounds (``passes/expand_random.py``). A kernel
+    computes them from its own indices for a multiply-add an element; folded, each would be a table
+    of 8 bytes an element to load. They stay."""
+    affine: set[Node] = set()
+    for n in graph.nodes:
+        if n.op in ("add", "sub", "mul") and n.dtype.is_int and all(
+                i.op in ("iota", "full") or i in affine for i in n.inputs):
+            affine.add(n)
+    kept: set[Node] = set()
+    for n in reversed(graph.nodes):
+        if n in affine and users[n] and all(u in kept if u in affine else not _constant(u, constant)
+                                            for u in users[n]):
+            kept.add(n)
+    return kept
+
+
 def _constant(n: Node, memo: dict[Node, bool]) -> bool:
     """Whether ``n`` is computed from ``full``/``iota`` alone (iteratively, memoised)."""
     stack = [n]
@@ -172,12 +192,16 @@ def _constant(n: Node, memo: dict[Node, bool]) -> bool:
 
 def foldable(graph: Graph) -> set[Node]:
     """Non-source nodes computed from ``full``/``iota`` only, within the size budget — except index
-    predicates (:func:`_index_predicate`)."""
+    predicates (:func:`_index_predicate`) and indices combined with run-time values
+    (:func:`_runtime_indices`)."""
     out: set[Node] = set()
     indexed: set[Node] = set()  # iotas and their re-indexings
     users = graph.users()
     constant: dict[Node, bool] = {}
+    runtime_indices = _runtime_indices(graph, users, constant)
     for n in graph.nodes:
+        if n in runtime_indices:
+            continue
         if n.op == "iota":
             indexed.add(n)
         if n.op in SOURCES or n.op in ("input", "extern"):  # an extern call runs where the model runs

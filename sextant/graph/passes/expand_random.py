@@ -63,10 +63,10 @@ class _Emit:
 def _words(e: _Emit, seed: Node, stream: int) -> tuple[Node, ...]:
     """Philox's four words at every element, as graph-IR i64 ops (graph/philox.py's rounds)."""
     mask = philox.MASK
-    idx = e.index()
+    s = e.broadcast(seed)
+    idx = e.op("add", e.index(), e.op("bitwise_and", e.op("shr", s, 1), philox.OFFSET))
     c0, c1 = e.op("bitwise_and", idx, mask), e.op("bitwise_and", e.op("shr", idx, 32), mask)
     c2, c3 = e.const(stream & mask), e.const(0)
-    s = e.broadcast(seed)
     k0, k1 = e.op("bitwise_and", s, mask), e.op("bitwise_and", e.op("shr", s, 32), mask)
     for r in range(philox.ROUNDS):
         if r:
