@@ -8,7 +8,9 @@ torch's SDPA, a softmax over 8192×8192 in fp32 and fp16, and LLM decoding: the 
 decoder of :mod:`sextant.decoder` at GPT-2-small size (``DecoderConfig.llama_100m()``) in fp16
 and bf16, batch 1, a 128-token prefill then 128 greedy decode steps on its KV caches (updated in
 place), against eager and ``torch.compile(mode="reduce-overhead")`` (Inductor with CUDA graphs;
-sextant's runner replays CUDA graphs too). Times are medians of CUDA-event-timed calls after
+sextant's runner replays CUDA graphs too), and a training step (forward, backward, SGD with
+momentum) of a 4-layer GPT-2-small-width LM at batch 8 × 256 in fp32 (``gpu_bench_train.py``).
+Times are medians of CUDA-event-timed calls after
 warm-up (decoding: ms per decode token; a second table has each path's prefill ms and how many of
 its tokens equal eager's); the error is the largest absolute difference between sextant's output
 (decoding: its logits) and eager's (same dtype).
@@ -46,6 +48,7 @@ import torch
 from torch import nn
 
 import sextant
+from sextant.tools.gpu_bench_train import run_train, run_train_inductor, train_inputs
 
 
 class MatMul(nn.Module):
@@ -117,7 +120,7 @@ class Case:
     dynamic: Callable[[], dict] | None = None  # dynamic_shapes: sextant compiles one program for all sizes
     # "forward": one call of the module on its args (run_case, run_inductor); "decode": a Decoder and
     # greedy_generate's (prompt ids, steps): a prefill, then a loop of decode calls on its KV caches
-    # (run_decode, run_decode_inductor; see RUNNERS)
+    # (run_decode, run_decode_inductor); "train": a training step (gpu_bench_train.py; see RUNNERS)
     kind: str = "forward"
     dry_run_inductor: bool = True  # False: torch.compile is too slow on a CPU to be part of --dry-run
 
@@ -152,6 +155,9 @@ def _cases() -> list[Case]:
     for dt, tag in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         out.append(Case(f"llm-decode-100m-b1-p128-n128-{tag}", dt, llm_decode_inputs, 45.0, kind="decode",
                         dry_run_inductor=False))
+    # training: forward, backward and the optimizer step of a GPT-2 LM in fp32 (gpu_bench_train.py)
+    out.append(Case("gpt2-4l-b8-s256-train-fp32", torch.float32, train_inputs, 120.0, kind="train",
+                    dry_run_inductor=False))
     return out
 
 
@@ -483,6 +489,7 @@ def run_decode_inductor(model: nn.Module, prompt: torch.Tensor, steps: int, ref:
 RUNNERS: dict[str, tuple[Callable[..., tuple], Callable[..., None]]] = {
     "forward": (run_case, run_inductor),
     "decode": (run_decode, run_decode_inductor),
+    "train": (run_train, run_train_inductor),
 }
 
 

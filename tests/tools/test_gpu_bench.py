@@ -108,3 +108,16 @@ def test_dry_run_decode_logits_match_eager(decode_dry_run: str) -> None:
     row = _table_rows(decode_dry_run, "| case | eager ms")[DECODE_CASE][0]
     assert float(row["max abs err"]) <= gpu_bench.LOGIT_TOL[torch.float16]
     assert "logits off" not in row["notes"]
+
+
+@pytest.mark.slow  # ~30 s: a GPT-2 training step's forward, backward and optimizer graphs through cuda-sim
+def test_dry_run_training_case_trains_like_eager(tmp_path: Path) -> None:
+    """The training case: forward, backward and the optimizer step compiled for the GPU (run by
+    cuda-sim), the first step's loss and updated weights equal to eager's."""
+    out = tmp_path / "gpu_bench.md"
+    assert gpu_bench.main(["--dry-run", "--cases", "train", "--out", str(out)]) == 0
+    (row,) = _table_rows(out.read_text(), "| case | eager ms")["gpt2-4l-b8-s256-train-fp32"]
+    assert float(row["max abs err"]) < 1e-4, row
+    assert "backward" in row["kernels (unique)"] and "forward" in row["kernels (unique)"], row
+    assert "failed" not in row["notes"] and "extern" not in row["notes"], row
+    assert float(row["sextant cuda ms"]) > 0
