@@ -126,6 +126,16 @@ def profile(runner: object, program: object, inputs: list[torch.Tensor], total_m
     return {"kinds": kinds, "kernels_ms": kernels, "overhead_ms": total_ms - kernels, "worst": worst}
 
 
+def rewrite_block(path: Path, begin: str, end: str, text: str) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of the markdown file ``path``
+    (a benchmark's table in docs/benchmarks.md) by ``text``."""
+    doc = path.read_text()
+    if begin not in doc or end not in doc.split(begin, 1)[1]:
+        raise SystemExit(f"{path} has no {begin} ... {end} block")
+    head, rest = doc.split(begin, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

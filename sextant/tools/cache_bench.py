@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table([t for t in ns.targets.split(",") if t])
     print(text)
     if ns.markdown:
-        doc = ns.markdown.read_text()
-        head, rest = doc.split(BEGIN, 1)
-        ns.markdown.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+        from sextant.tools.bench import rewrite_block
+
+        rewrite_block(Path(ns.markdown), BEGIN, END, text)
     return 0
 
 

@@ -121,12 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(args.models.split(","))
     print(text)
     if args.markdown:
-        path = Path(args.markdown)
-        doc = path.read_text()
-        if BEGIN not in doc:
-            raise SystemExit(f"{path} has no {BEGIN} block")
-        head, rest = doc.split(BEGIN, 1)
-        path.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        from sextant.tools.bench import rewrite_block
+
+        rewrite_block(Path(args.markdown), BEGIN, END, text)
     return 0
 
 

@@ -97,12 +97,10 @@ def _resolve(pipeline: str | Sequence[str], max_rounds: int | None) -> tuple[lis
 def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rounds: int | None,
          work: WorkCounter | None = None) -> Iterator[PassResult]:
     passes, rounds = _resolve(pipeline, max_rounds)
-    for p in [PASSES[n] for n in FIRST.get(pipeline, [])] if isinstance(pipeline, str) else []:
-        new = p.fn(graph)
-        if verify_each:
-            verify(new, where=f"pass '{p.name}'")
-        yield PassResult(p.name, new, len(graph.nodes), len(new.nodes), not same_graph(graph, new))
-        graph = new
+    named = pipeline if isinstance(pipeline, str) else None  # a list of passes runs just those
+    for r in _once(graph, FIRST.get(named, []), verify_each):
+        yield r
+        graph = r.graph
     for _ in range(rounds):
         round_changed = False
         for p in passes:
@@ -117,7 +115,12 @@ def _run(graph: Graph, pipeline: str | Sequence[str], verify_each: bool, max_rou
             graph = new
         if not round_changed:
             break
-    for p in [PASSES[n] for n in FINALLY.get(pipeline, [])] if isinstance(pipeline, str) else []:
+    yield from _once(graph, FINALLY.get(named, []), verify_each)
+
+
+def _once(graph: Graph, names: list[str], verify_each: bool) -> Iterator[PassResult]:
+    """The passes ``names`` run once each, in order (a named pipeline's ``FIRST`` and ``FINALLY``)."""
+    for p in (PASSES[n] for n in names):
         new = p.fn(graph)
         if verify_each:
             verify(new, where=f"pass '{p.name}'")
