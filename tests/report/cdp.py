@@ -9,9 +9,11 @@ and ``Log.entryAdded`` (the browser's own errors: failed loads, blocked content)
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -42,13 +44,15 @@ class Chromium:
         self._id = 0
 
     def __enter__(self) -> Chromium:
-        self._dir = tempfile.TemporaryDirectory(prefix="sextant-chromium-")
-        self._log = open(Path(self._dir.name) / "stderr.log", "w+b")  # closed in __exit__
+        self._dir = tempfile.mkdtemp(prefix="sextant-chromium-")
+        self._log = open(Path(self._dir) / "stderr.log", "w+b")  # closed in __exit__
         args = [self.exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-                "--remote-debugging-port=0", "--remote-allow-origins=*", f"--user-data-dir={self._dir.name}",
+                "--remote-debugging-port=0", "--remote-allow-origins=*", f"--user-data-dir={self._dir}",
                 f"--window-size={self.width},{self.height}", "about:blank"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._log)
+        # Its own process group: Chromium's helpers (zygote, renderer, crashpad) outlive a kill of
+        # the main process and keep writing into the profile directory we are about to delete.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
         try:
             self.ws = websocket.create_connection(self._page_url(), timeout=self.timeout_s, suppress_origin=True)
             for domain in ("Runtime", "Log", "Page"):
@@ -63,10 +67,24 @@ class Chromium:
     def __exit__(self, *exc: object) -> None:
         if getattr(self, "ws", None) is not None:
             self.ws.close()
-        self.proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
         self._log.close()
-        self._dir.cleanup()
+        self._remove_profile()
+
+    def _remove_profile(self) -> None:
+        """Delete the profile directory; a helper that escaped the process group may still be
+        writing there for a moment, so retry before giving up quietly (it is a temp directory)."""
+        for _ in range(20):
+            try:
+                shutil.rmtree(self._dir)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _stderr(self) -> str:
         self._log.flush()
@@ -74,7 +92,7 @@ class Chromium:
         return self._log.read().decode(errors="replace")[-2000:]
 
     def _page_url(self) -> str:
-        port_file = Path(self._dir.name) / "DevToolsActivePort"
+        port_file = Path(self._dir) / "DevToolsActivePort"
         deadline = time.monotonic() + self.timeout_s
         while not (port_file.exists() and port_file.read_text().strip()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
