@@ -83,9 +83,18 @@ def sextant_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     opts = _check_options(options)
     target = opts.get("target") or default_target(tuple(example_inputs))
-    if needs_autograd(example_inputs):
+    if needs_autograd(example_inputs) or _tensor_subclasses(example_inputs):
         return _compile_training(gm, example_inputs, opts, target)
     return _compile_graph(gm, example_inputs, opts, target)
+
+
+def _tensor_subclasses(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph takes tensor subclasses (DTensor parameters of a tensor-parallel model):
+    AOTAutograd flattens them into plain tensors and spells their communication out as
+    ``_c10d_functional`` collectives, which sextant compiles."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return any(is_traceable_wrapper_subclass(x) for x in example_inputs)
 
 
 def _fall_back(gm: torch.fx.GraphModule, opts: Mapping[str, Any], reason: str,
@@ -105,7 +114,9 @@ def _fall_back(gm: torch.fx.GraphModule, opts: Mapping[str, Any], reason: str,
 def _externs(compiled: Any) -> tuple[str, ...]:
     """The ATen ops a compiled graph's program calls as extern calls, in launch order."""
     program = getattr(compiled, "stages", {}).get("program")
-    return tuple(launch.extern.fn for launch in program.launches if launch.extern) if program is not None else ()
+    if program is None:
+        return ()
+    return tuple(la.extern.fn for la in program.launches if la.extern is not None and hasattr(la.extern, "kwargs"))
 
 
 def _ops(gm: torch.fx.GraphModule) -> int:

@@ -22,6 +22,8 @@ from sextant.graph.extern import ExternEncodingError, encode, flatten, op_name
 from sextant.graph.ir import Node
 from sextant.graph.symbolic import SymbolicShapeError
 
+COMMUNICATION = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"})
+
 
 class NotExtern(Exception):
     """The op cannot be called as an extern op; the message says why."""
@@ -32,6 +34,9 @@ def extern_refusal(node: torch.fx.Node) -> str | None:
     op = node.target
     if not isinstance(op, torch._ops.OpOverload):
         return "not an op overload (a higher-order op or a Python function): it cannot be called as an extern op"
+    if op.namespace in COMMUNICATION:
+        return ("a torch.distributed op with no lowering: its result arrives asynchronously, so it cannot be "
+                "called as an extern op (see docs/distributed.md for the collectives sextant compiles)")
     if op._schema.is_mutable:
         return "it writes its arguments in place; an extern call must be pure"
     results = flatten(node.meta.get("val"))

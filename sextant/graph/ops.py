@@ -62,7 +62,8 @@ REDUCE_FNS = frozenset({"sum", "prod", "max", "min"})
 MOVEMENT = frozenset({"reshape", "permute", "expand", "slice", "pad", "concat", "gather"})
 SOURCES = frozenset({"input", "param", "full", "iota"})
 ALL_OPS = (UNARY | BINARY | MOVEMENT | SOURCES
-           | {"where", "cast", "copy", "reduce", "matmul", "conv", "extern", "scatter", "random"})
+           | {"where", "cast", "copy", "reduce", "matmul", "conv", "extern", "scatter", "random", "collective",
+              "wait"})
 # fmt: on
 
 _FLOAT_ONLY_BINARY = frozenset({"atan2"})
@@ -122,6 +123,21 @@ def infer_type(op: str, ins: Sequence[TensorType], attrs: dict[str, Any]) -> Ten
         shape = _ints(attrs.get("shape"), "extern.shape")
         _check(isinstance(attrs.get("dtype"), DType), "extern.dtype must be a DType")
         return TensorType(shape, attrs["dtype"])
+
+    if op == "collective":  # a transfer between ranks, started (graph/collectives.py)
+        from sextant.graph.collectives import check_attrs, result_shape
+
+        _check(n == 1, f"collective takes 1 operand, got {n}")
+        why = check_attrs(attrs.get("kind"), attrs)
+        _check(why is None, why or "")
+        try:
+            return TensorType(result_shape(attrs["kind"], ins[0].shape, attrs), ins[0].dtype)
+        except ValueError as e:
+            raise IRTypeError(str(e)) from None
+
+    if op == "wait":  # a collective's value once it has arrived
+        _check(n == 1, f"wait takes 1 operand, got {n}")
+        return ins[0]
 
     if op in UNARY:
         _check(n == 1, f"{op} takes 1 operand, got {n}")

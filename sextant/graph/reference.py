@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from sextant.graph import philox
+from sextant.graph import collectives, philox
 from sextant.graph.extern import call_extern
 from sextant.graph.ir import Graph, Node, topo_sort
 from sextant.graph.symbolic import is_symbolic
@@ -139,6 +139,10 @@ def eval_node(node: Node, args: Sequence[torch.Tensor], graph: Graph | None = No
         return _iota(node)
     if op == "random":
         return philox.random(int(args[0]), node.attr("stream"), node.shape, node.dtype.torch, node.attr("dist"))
+    if op == "collective":
+        return collectives.start(node.attr("kind"), node.attr_dict, args[0])
+    if op == "wait":
+        return collectives.wait(args[0])
     if op == "extern":
         return call_extern(node.attr("fn"), node.attr("args"), node.attr("kwargs"), args)[node.attr("result")]
     if op == "param":
@@ -157,8 +161,9 @@ def constant_value(x: Node, params: Mapping[str, torch.Tensor],
     if id(x) in memo:
         return memo[id(x)]
     order = topo_sort([x])
-    if any(n.op == "input" or not isinstance(n.type.numel, int) or is_symbolic(n.attr("value")) for n in order):
-        return None  # an input, or a size only a call knows, reaches it
+    if any(n.op in ("input", "collective", "wait") or not isinstance(n.type.numel, int)
+           or is_symbolic(n.attr("value")) for n in order):
+        return None  # an input, a transfer, or a size only a call knows, reaches it
     if sum(n.type.numel for n in order if n.op != "param") > 1 << 22:
         return None  # large constant subgraphs stay in the graph (constant folding may still run them)
     env: dict[int, torch.Tensor] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sextant.graph.ir import Graph, Node
 from sextant.graph.ops import ALL_OPS, IRTypeError, infer_type
 from sextant.graph.symbolic import SymbolicShapeError
@@ -64,9 +66,25 @@ def verify(graph: Graph, *, where: str = "") -> None:
         fail(None, f"the seed (input {graph.seed}) must be the last input, an i64[] scalar")
     if graph.seed is None and any(n.op == "random" for n in graph.nodes):
         fail(None, "a random op in a graph with no seed input")
+    _check_collectives(graph, fail)
     if len({m.input for m in graph.mutations}) != len(graph.mutations):
         fail(None, "a tensor is updated twice")
     if errors:
         shown = "\n  ".join(errors[:20])
         more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
         raise VerificationError(f"graph @{graph.name} is invalid{ctx}:\n  {shown}{more}")
+
+
+def _check_collectives(graph: Graph, fail: Callable[[Node | None, str], None]) -> None:
+    """A ``collective``'s value is in flight: read by ``wait`` nodes only (never a kernel, never an
+    output), and a ``wait`` reads a ``collective``."""
+    outputs = {id(o) for o in graph.outputs}
+    for node in graph.nodes:
+        if node.op == "wait" and node.inputs and node.inputs[0].op != "collective":
+            fail(node, f"wait reads a {node.inputs[0].op}, not a collective")
+        elif node.op != "wait":
+            for operand in node.inputs:
+                if operand.op == "collective":
+                    fail(node, "reads a collective's value before its wait")
+        if node.op == "collective" and id(node) in outputs:
+            fail(node, "a collective is returned before its wait")

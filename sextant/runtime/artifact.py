@@ -63,7 +63,7 @@ from sextant.kernel.ir import Kernel
 from sextant.kernel.serialize import KernelSerializeError, kernels_from_json, kernels_to_json
 from sextant.kernel.verifier import KernelVerificationError, verify_kernel
 from sextant.runtime.compiled import CompiledModule
-from sextant.schedule.program import BufferInfo, ExternCall, Launch, Program
+from sextant.schedule.program import BufferInfo, CollectiveCall, ExternCall, Launch, Program
 from sextant.schedule.target import TargetDesc
 
 log = logging.getLogger("sextant.artifact")
@@ -620,6 +620,10 @@ def _buffer_from_json(i: int, bj: dict[str, Any], nodes: dict[str, Node], arena:
 
 def _launch_json(la: Launch, program: Any) -> dict[str, Any]:
     """A launch in the manifest; an extern call names its op and arguments instead of a grid."""
+    if isinstance(la.extern, CollectiveCall):
+        c = la.extern
+        return {"kernel": la.kernel, "group": la.group, "args": list(la.args), "blocks": la.blocks,
+                "collective": {"kind": c.kind, "stage": c.stage, "attrs": dict(c.attrs), "loc": c.loc}}
     if la.extern is not None:
         c = la.extern
         return {"kernel": la.kernel, "group": la.group, "args": list(la.args), "blocks": la.blocks,
@@ -631,6 +635,13 @@ def _launch_json(la: Launch, program: Any) -> dict[str, Any]:
 
 def _launch_from_json(li: int, lj: dict[str, Any], kernels: dict[str, Kernel], buffers: list[BufferInfo]) -> Launch:
     name = lj["kernel"]
+    if (cj := lj.get("collective")) is not None:
+        args = tuple(int(a) for a in lj["args"])
+        if len(args) != 2 or any(not 0 <= a < len(buffers) for a in args) or cj.get("stage") not in ("start", "wait"):
+            raise ArtifactError(f"{MANIFEST}: collective launch {li} ({cj.get('kind')}) is malformed")
+        attrs = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(cj["attrs"].items()))
+        call = CollectiveCall(str(cj["kind"]), cj["stage"], attrs, cj.get("loc"))
+        return Launch(name, int(lj["group"]), args, 1, call)
     if (ej := lj.get("extern")) is not None:
         args = tuple(int(a) for a in lj["args"])
         if any(not 0 <= a < len(buffers) for a in args) or len(ej["results"]) > len(args):

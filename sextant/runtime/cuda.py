@@ -45,7 +45,7 @@ import torch
 from sextant.errors import SextantError
 from sextant.runtime.cuda_graph import PER_CALL_KINDS, LaunchSpec, ParamBlock, plan
 from sextant.runtime.extern import run_extern
-from sextant.schedule.program import Launch, Program
+from sextant.schedule.program import CollectiveCall, Launch, Program
 
 ALIGN = 16  # bytes; every kernel parameter must be this aligned (the PTX uses 128-bit accesses)
 SIM_HINT = "target='cuda-sim' runs the same GPU kernels on the CPU"
@@ -343,18 +343,20 @@ class CudaRunner:
         with self._call(inputs) as (stream, tensors, addresses):
             self._run_launches(addresses, stream, tensors)
             handle, out = self._stream_handle(stream), []
+            pending: dict[int, Any] = {}  # collectives in flight
             for step in self._steps():
                 start, end = _Timer(self.device), _Timer(self.device)
                 start.record()
-                for _ in range(repeats):
+                collective = not isinstance(step, LaunchSpec) and isinstance(step.extern, CollectiveCall)
+                for _ in range(1 if collective else repeats):  # every rank issues one transfer
                     if isinstance(step, LaunchSpec):
                         self._drv("cuLaunchKernel", self._functions[step.kernel], *step.grid, *step.block,
                                   self._shared[step.kernel], handle, self._blocks[step.index].address, 0,
                                   what=_describe(step))
                     else:
-                        run_extern(self.program, step, tensors, self.device)
+                        run_extern(self.program, step, tensors, self.device, pending)
                 end.record()
-                out.append(start.seconds_to(end) / repeats)
+                out.append(start.seconds_to(end) / (1 if collective else repeats))
             del tensors
         return out
 
@@ -405,9 +407,10 @@ class CudaRunner:
     def _run_launches(self, addresses: dict[int, int], stream: int, tensors: dict[int, torch.Tensor]) -> None:
         self._rebind(addresses)
         d, handle = self._drv, self._stream_handle(stream)
+        pending: dict[int, Any] = {}  # collectives in flight (NCCL's stream, waited for on this one)
         for s in self._steps():
             if not isinstance(s, LaunchSpec):  # an extern call: torch's op, on torch's (this) stream
-                run_extern(self.program, s, tensors, self.device)
+                run_extern(self.program, s, tensors, self.device, pending)
                 continue
             block = self._blocks[s.index]
             d("cuLaunchKernel", self._functions[s.kernel], *s.grid, *s.block, self._shared[s.kernel], handle,
@@ -439,9 +442,10 @@ class CudaRunner:
                 raise
         self._exec_bound = dict(addresses)
         handle = self._stream_handle(stream)
+        pending: dict[int, Any] = {}  # collectives in flight
         for step, exec_ in zip(self._segments, self._exec):
             if exec_ is None:  # an extern call between two graphs
-                run_extern(self.program, step, tensors, self.device)
+                run_extern(self.program, step, tensors, self.device, pending)
                 continue
             d("cuGraphLaunch", exec_, handle, what=f"launching the CUDA graph of {len(step)} kernels")
             if self.sync_each_launch:

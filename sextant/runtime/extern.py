@@ -3,11 +3,14 @@ copied into the buffers the schedule planned for them. Shared by every runner.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sextant.errors import SextantError
 from sextant.graph.extern import call_extern
-from sextant.schedule.program import Launch, Program
+from sextant.runtime.collectives import run_collective
+from sextant.schedule.program import CollectiveCall, Launch, Program
 
 
 class ExternCallError(SextantError, RuntimeError):
@@ -15,11 +18,17 @@ class ExternCallError(SextantError, RuntimeError):
 
 
 def run_extern(program: Program, launch: Launch, tensors: dict[int, torch.Tensor],
-               device: torch.device | None = None) -> None:
+               device: torch.device | None = None, pending: dict[int, Any] | None = None) -> None:
     """Call ``launch``'s op on ``tensors`` (buffer index → tensor of the buffer's shape) and write
-    its results into the output buffers."""
+    its results into the output buffers; or, for a collective, start it or wait for it (``pending``:
+    the call's transfers in flight, one dict per call of the program)."""
     call = launch.extern
     assert call is not None
+    if isinstance(call, CollectiveCall):
+        if pending is None:
+            raise AssertionError("a collective launched without the call's table of transfers in flight")
+        run_collective(call, launch.args, tensors, pending)
+        return
     ins, outs = call.split(launch.args)
     operands = [tensors[b] for b in ins]
     where = f"{call.fn} (extern call from {call.loc or 'an unknown line'})"

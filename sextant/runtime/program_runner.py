@@ -11,7 +11,7 @@ import ctypes
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -171,9 +171,10 @@ class ProgramRunner:
             if b.kind == "output":
                 tensors[b.index] = torch.empty(layout.shapes[b.index], dtype=b.node.dtype.torch)
         values = dict(layout.binding)
+        pending: dict[int, Any] = {}  # collectives in flight
         for launch, blocks in zip(p.launches, layout.blocks):
             if launch.extern is not None:
-                run_extern(p, launch, tensors)
+                run_extern(p, launch, tensors, pending=pending)
                 continue
             args = [tensors[a] for a in launch.args]
             if p.kernels[launch.kernel].sizes:
@@ -191,12 +192,13 @@ class ProgramRunner:
         for args, j, k in bound.patches:
             args[j] = ptrs[k]
         tensors = None
+        pending: dict[int, Any] = {}  # collectives in flight
         for step in bound.steps:
             if isinstance(step, Launch):
                 if tensors is None:
                     tensors = {**bound.fixed, **dict(zip(range(self._nin), buffers)),
                                **dict(zip(self._outs, buffers[self._nin:]))}
-                run_extern(self.program, step, tensors)
+                run_extern(self.program, step, tensors, pending=pending)
             else:
                 step()
         out = []

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 
 # leaves and pure re-indexing: not work a kernel does (movement ops become index arithmetic)
-NOT_COMPUTED = frozenset({"param", "input", "full", "iota", "reshape", "expand", "permute", "slice"})
+NOT_COMPUTED = frozenset({"param", "input", "full", "iota", "reshape", "expand", "permute", "slice", "wait"})
 
 
 def _mib(n: int) -> str:
@@ -62,16 +62,28 @@ def launch_ops(p: Program, launch: Launch) -> str:
 
 
 def describe_program(p: Program) -> str:
-    externs = sum(launch.extern is not None for launch in p.launches)
+    from sextant.schedule.overlap import overlap_notes
+    from sextant.schedule.program import CollectiveCall
+
+    hosts = sum(launch.extern is not None for launch in p.launches)
+    transfers = sum(isinstance(launch.extern, CollectiveCall) and launch.extern.stage == "start"
+                    for launch in p.launches)
+    externs = hosts - 2 * transfers
     calls = f" and {externs} extern call{'s' if externs > 1 else ''}" if externs else ""
-    lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches) - externs} launches, "
+    calls += f", {transfers} collective{'s' if transfers > 1 else ''} (each a start and a wait)" if transfers else ""
+    lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches) - hosts} launches, "
              f"{len(p.kernels)} unique kernels{calls}, planned peak {_mib(p.peak_bytes)} "
              f"(arena {_mib(p.arena_bytes)})"]
     for li, launch in enumerate(p.launches):
         g = p.groups[launch.group]
         if (call := launch.extern) is not None:  # an op called as itself, on the host, between kernels
             args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
-            lines.append(f"  #{li:<3} {launch.kernel:<16} {'extern':<11} {'host call':<12} [{call.fn}]")
+            if isinstance(call, CollectiveCall):  # torch.distributed's transfer, started or waited for
+                what = " ".join([call.kind, *(f"{k}={v}" for k, v in call.attrs)]) if call.stage == "start" \
+                    else f"wait for {launch.kernel.replace('wait', 'collective')}"
+                lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} {'host call':<12} [{what}]")
+            else:
+                lines.append(f"  #{li:<3} {launch.kernel:<16} {'extern':<11} {'host call':<12} [{call.fn}]")
             lines.append(f"        buffers ({args})")
             lines.append(f"        from {call.loc or '?'}")
             continue
@@ -97,6 +109,9 @@ def describe_program(p: Program) -> str:
         lines.append(f"        buffers ({args})")
         if locs:
             lines.append(f"        from {', '.join(locs[:4])}{' ...' if len(locs) > 4 else ''}")
+    if transfers:
+        lines.append("  collectives in flight (schedule/overlap.py):")
+        lines += [f"    - {n}" for n in overlap_notes(p.launches)]
     if p.rewrites:
         lines.append("  rewrites:")
         lines += [f"    - {n}" for n in p.rewrites]

@@ -41,6 +41,7 @@ PROLOGUE_OPS_LIMIT = 2  # a matmul/conv operand computed with more ops than this
 @dataclass
 class Group:
     kind: str  # "elementwise" | "reduce" | "matmul" | "conv" | "attention" | "extern" | "scatter"
+    # | "collective" | "wait" (a transfer between ranks: started, then waited for)
     anchor: Node  # the node whose iteration space the kernel walks
     members: list[Node] = field(default_factory=list)  # computed in this kernel, topological order
     outputs: list[Node] = field(default_factory=list)  # members stored to memory
@@ -173,7 +174,7 @@ class _Fusion:
         # every result: the operands are stored (kept through _drop_stored_reshapes), the results too.
         extern_calls: dict[tuple, Group] = {}
         for n in graph.nodes:
-            if n.op == "extern":
+            if n.op in ("extern", "collective", "wait"):  # a transfer reads and writes whole buffers too
                 for operand in n.inputs:
                     if not is_buffer(operand):
                         stored.add(id(operand))
@@ -193,6 +194,8 @@ class _Fusion:
                 g = self.group_of[id(n)]
                 if n.attr("note"):
                     g.notes.append(n.attr("note"))
+            elif n.op in ("collective", "wait"):
+                self.new_group(n.op, n)
             elif n.op == "extern":
                 key = call_key(n)
                 if key in extern_calls:

@@ -31,6 +31,7 @@ from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers
+from sextant.schedule.overlap import overlap_collectives
 from sextant.schedule.partition import Group, partition
 from sextant.schedule.scatter import scatter_kernel
 from sextant.schedule.split_k import split_k
@@ -68,12 +69,36 @@ class ExternCall:
 
 
 @dataclass(frozen=True)
+class CollectiveCall:
+    """One half of a transfer between ranks (``graph/collectives.py``) that the runtime hands to
+    torch.distributed: ``stage="start"`` issues it, writing into the result buffer asynchronously;
+    ``"wait"`` blocks (on a GPU: makes the stream wait) until it has arrived. Both launches name the
+    same buffers — the operand, then the result — so the memory plan keeps the operand (still being
+    sent) and the result (still being received) alive from start to wait."""
+
+    kind: str  # graph/collectives.KINDS
+    stage: str  # "start" | "wait"
+    attrs: tuple[tuple[str, Any], ...]  # the collective node's attributes (group, reduce, ranks, ...)
+    loc: str | None = None
+
+    @property
+    def fn(self) -> str:
+        """A display name: ``all_reduce`` (start) or ``wait all_reduce``."""
+        return self.kind if self.stage == "start" else f"wait {self.kind}"
+
+    def split(self, args: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A launch's buffers as (what the transfer reads, what it writes)."""
+        return args[:-1], args[-1:]
+
+
+@dataclass(frozen=True)
 class Launch:
-    kernel: str  # name of a unique kernel (for an extern call: a display name, not in Program.kernels)
+    kernel: str  # name of a unique kernel (for a host call: a display name, not in Program.kernels)
     group: int  # index into Program.groups
     args: tuple[int, ...]  # buffer indices, in the kernel's parameter order
     blocks: Dim  # symbolic in a program over symbolic sizes: evaluated per call (Layout)
-    extern: ExternCall | None = None  # an extern call, not a kernel launch
+    # a host call between kernels instead of a kernel launch: an extern op, or a collective's start or wait
+    extern: ExternCall | CollectiveCall | None = None
 
 
 def bounded_put(cache: dict, key: object, value: object, limit: int = 256) -> None:
@@ -304,6 +329,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         graph, split_notes = split_k(graph, target)
     groups = partition(graph, work, store_conv_inputs=not target.is_gpu, contiguous_rhs=not target.is_gpu,
                       attention_refusal=attention_refusal(target))
+    groups = overlap_collectives(groups)
     packed = prepack_weights(graph, groups, target)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
@@ -335,9 +361,22 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     launches: list[Launch] = []
     scratch_nodes: list[Node] = []  # a kernel chain's scratch values, appended to the graph below
     externs = 0
+    transfers: dict[int, int] = {}  # collective node -> its number, in the names of its two launches
     for gi, g in enumerate(groups):
         if all(o.type.numel == 0 for o in g.outputs):
             continue  # nothing to compute: an empty output needs a buffer (allocated below), not a kernel
+        if g.kind in ("collective", "wait"):  # torch.distributed's, on the host: the operand and the result
+            c = g.anchor if g.kind == "collective" else g.anchor.inputs[0]
+            x = buffer(c.inputs[0], "param" if c.inputs[0].op == "param" else
+                        "input" if c.inputs[0].op == "input" else "temp")
+            out = buffer(c, "temp")
+            if g.kind == "wait":  # the wait's value is the result buffer, once arrived
+                _alias_wait(g.anchor, buffers, index_of, graph_outputs)
+            call = CollectiveCall(c.attr("kind"), "start" if g.kind == "collective" else "wait",
+                                  tuple((k, v) for k, v in c.attrs if k != "kind"), c.loc)
+            launches.append(Launch(f"{g.kind}_{transfers.setdefault(id(c), len(transfers))}", gi, (x, out), 1, call))
+            work.add("collective calls")
+            continue
         if g.kind == "extern":  # an op called as itself: no kernel, its operands and results as buffers
             ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
                    for n in g.outputs[0].inputs]
@@ -399,6 +438,13 @@ def _alias_update(s: Node, buffers: list[BufferInfo], index_of: dict[int, int], 
         buffers[i] = dataclasses.replace(buffers[i], kind="output")
     elif buffers[i].kind == "param":
         raise AssertionError(f"scatter at {s.loc or '?'} would overwrite a weight")
+
+
+def _alias_wait(w: Node, buffers: list[BufferInfo], index_of: dict[int, int], graph_outputs: set[int]) -> None:
+    """A ``wait`` is its collective's result buffer; returned, that buffer becomes an output."""
+    i = index_of[id(w)] = index_of[id(w.inputs[0])]
+    if id(w) in graph_outputs:
+        buffers[i] = dataclasses.replace(buffers[i], kind="output")
 
 
 def extern_call(g: Group) -> ExternCall:

@@ -3,6 +3,7 @@
 from sextant.frontend.lowerings import (  # noqa: F401
     attention,
     backward,
+    collectives,
     elementwise,
     moe,
     movement,

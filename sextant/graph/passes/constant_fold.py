@@ -204,7 +204,7 @@ def foldable(graph: Graph) -> set[Node]:
             continue
         if n.op == "iota":
             indexed.add(n)
-        if n.op in SOURCES or n.op in ("input", "extern"):  # an extern call runs where the model runs
+        if n.op in SOURCES or n.op in ("input", "extern", "collective", "wait"):  # calls run where the model runs
             continue
         if not isinstance(n.type.numel, int):  # a size that depends on a symbol: evaluated per call
             continue
