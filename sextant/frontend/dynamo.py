@@ -16,6 +16,7 @@ The backend is registered under the name ``sextant`` as a ``torch_dynamo_backend
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -157,13 +158,47 @@ def _compile_static(gm: torch.fx.GraphModule, args: Sequence[Any], opts: Mapping
     """``gm`` compiled for the concrete shapes of ``args``."""
     import sextant
 
+    gm, passed = _opaque_outputs(gm)
     flat = _Flat(gm, args)
     with outside_dynamo():
         compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
                                    target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
-    if not flat.baked:
+    if not flat.baked and not passed:
         return compiled
-    return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
+    if not passed:
+        return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
+
+    def run(*xs: Any) -> Any:
+        out = list(compiled(*(x for i, x in enumerate(xs) if i not in flat.baked)))
+        for position, source in passed:
+            out.insert(position, xs[source])
+        return tuple(out)
+
+    run.compiled = compiled  # type: ignore[attr-defined]
+    return run
+
+
+def _opaque_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple[int, int]]]:
+    """A graph that returns one of its non-tensor inputs as it is (AOTAutograd's forward hands a
+    tensor-parallel model's ``DeviceMesh`` to its backward): that output is dropped from the graph
+    sextant compiles and put back, the caller's object itself, around each call. Returns the graph
+    and (output position, input index) per output put back."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    results = out.args[0]
+    if not isinstance(results, (tuple, list)):
+        return gm, []
+    passed = [(k, placeholders.index(r)) for k, r in enumerate(results)
+              if isinstance(r, torch.fx.Node) and r.op == "placeholder"
+              and not isinstance(r.meta.get("val", r.meta.get("example_value")), torch.Tensor)
+              and r.meta.get("val", r.meta.get("example_value")) is not None]
+    if not passed:
+        return gm, []
+    dropped = {k for k, _ in passed}
+    graph = copy.deepcopy(gm.graph)
+    new_out = next(n for n in graph.nodes if n.op == "output")
+    new_out.args = (tuple(r for k, r in enumerate(new_out.args[0]) if k not in dropped),)
+    return torch.fx.GraphModule(gm, graph), passed
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Mapping[str, Any],
@@ -389,9 +424,13 @@ class _PerShape:
 
 def _why(e: BaseException) -> str:
     """A fallback's reason: sextant's own error as it explains itself; anything else (a bug in
-    sextant) named as an internal error, so STATS and the log tell the two apart."""
+    sextant) named as an internal error, so STATS and the log tell the two apart. A
+    :class:`CollectiveError` is raised again, never fallen back from."""
     from sextant.errors import SextantError
+    from sextant.runtime.collectives import CollectiveError
 
+    if isinstance(e, CollectiveError):  # ranks that compiled different collectives: eagerly they would hang
+        raise e
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if isinstance(e, SextantError):
         return first + _first_reasons(e)

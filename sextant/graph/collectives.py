@@ -108,6 +108,9 @@ ATTRS = ("kind", "group", "reduce", "ranks", "src", "out_splits", "in_splits")
 
 def signature(node_attrs: dict[str, Any], shape: Sequence[Any], dtype: str) -> str:
     """One line naming a collective as every rank must issue it (kind, group, arguments, operand
-    type): what ranks compare before their first call (``runtime/collectives.check_ranks_agree``)."""
-    parts = [f"{k}={node_attrs[k]}" for k in ATTRS if k in node_attrs]
-    return f"{' '.join(parts)} {dtype}[{','.join(map(str, shape))}]"
+    type): what ranks compare before their first call (``runtime/collectives.check_ranks_agree``).
+    An all_to_all's split sizes, and so its operand's first dimension, may differ between ranks."""
+    uneven = node_attrs["kind"] == "all_to_all"
+    parts = [f"{k}={node_attrs[k]}" for k in ATTRS if k in node_attrs and not (uneven and k.endswith("splits"))]
+    dims = ["*" if uneven and i == 0 else str(d) for i, d in enumerate(shape)]
+    return f"{' '.join(parts)} {dtype}[{','.join(dims)}]"

@@ -92,21 +92,21 @@ def run_collective(call: Any, args: tuple[int, ...], tensors: dict[int, torch.Te
 _checks = itertools.count()
 
 
-def collective_plan(program: Any) -> list[str]:
-    """The program's collectives in issue order, one line each (kind, group, arguments, operand)."""
+def collective_plan(program: Any, graph: Any) -> list[tuple[str, str]]:
+    """The collectives in issue order, as (group, one line naming it: kind, arguments, operand
+    type): the program's launch order, or the graph's node order where there is no program (the
+    reference target runs the graph as it stands)."""
     from sextant.graph.collectives import signature
 
-    lines = []
-    for la in program.launches:
-        call = la.extern
-        if call is None or getattr(call, "stage", None) != "start":
-            continue
-        node = program.buffers[la.args[0]].node
-        lines.append(signature({"kind": call.kind, **dict(call.attrs)}, node.shape, node.dtype.value))
-    return lines
+    if program is None:
+        starts = [(dict(n.attrs), n.inputs[0].type) for n in graph.nodes if n.op == "collective"]
+    else:
+        starts = [({"kind": la.extern.kind, **dict(la.extern.attrs)}, program.buffers[la.args[0]].node.type)
+                  for la in program.launches if getattr(la.extern, "stage", None) == "start"]
+    return [(a["group"], signature(a, t.shape, t.dtype.value)) for a, t in starts]
 
 
-def check_ranks_agree(program: Any, timeout_s: float | None = None) -> None:
+def check_ranks_agree(program: Any, graph: Any, timeout_s: float | None = None) -> None:
     """Compare this program's collectives with every other rank's before the first call, through the
     default group's store — never through a collective, which would hang on a mismatch: a rank whose
     program issues other collectives, or none by the deadline, is an error naming the difference.
@@ -115,11 +115,11 @@ def check_ranks_agree(program: Any, timeout_s: float | None = None) -> None:
     (a rank that compiles one more program than the others is reported when the check times out)."""
     import torch.distributed as dist
 
-    plan = collective_plan(program)
-    if not plan or not dist.is_initialized():
+    issued = collective_plan(program, graph)
+    if not issued or not dist.is_initialized():
         return
-    groups = sorted({g for la in program.launches if getattr(la.extern, "stage", None) == "start"
-                     for k, g in la.extern.attrs if k == "group"})
+    groups = sorted({g for g, _ in issued})
+    plan = [line for _, line in issued]
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     members = sorted({r for g in groups for r in dist.get_process_group_ranks(_group(g))})

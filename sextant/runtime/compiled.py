@@ -51,6 +51,10 @@ class CompiledModule:
         self._expected = [(tuple(n.shape), n.dtype.torch) for n in g.inputs[:self._user_inputs]]
         # symbolic sizes: the shapes are checked when the executor solves the symbols (graph/bind.py)
         self._symbolic = is_symbolic_graph(g)
+        if any(n.op == "collective" for n in g.nodes):  # before any rank issues one: all compiled the same
+            from sextant.runtime.collectives import check_ranks_agree
+
+            check_ranks_agree(self.stages.get("program"), g)
 
     def __repr__(self) -> str:
         program = self.stages.get("program")

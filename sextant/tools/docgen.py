@@ -777,6 +777,60 @@ def snippet_decode_attention_kernel() -> str:
     return "\n".join([*head, "{", "  ...", *lines[start:corr + 3], "    ...", "  }", "  ..."])
 
 
+class _ParallelBlock(nn.Module):
+    """One rank's shard of a GPT-J-style parallel-residual block under Megatron TP: attention and MLP
+    both read the norm's output, each ends in a row-parallel projection and an all_reduce."""
+
+    def __init__(self, dim: int = 64, heads: int = 2, hidden: int = 128) -> None:  # this rank's heads, hidden
+        super().__init__()
+        self.heads, self.hd = heads, dim // 4
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * heads * self.hd, bias=False)  # column shard
+        self.o = nn.Linear(heads * self.hd, dim, bias=False)  # row shard
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        a = funcol.all_reduce(self.o(a), "sum", dist.group.WORLD)
+        m = funcol.all_reduce(self.down(F.gelu(self.up(h))), "sum", dist.group.WORLD)
+        return x + a + m
+
+
+@functools.cache
+def _parallel_block() -> sextant.CompiledModule:
+    """The block compiled in a world of one (gloo): the graph and schedule are those of any world
+    size, with this rank's shard sizes."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    started = not dist.is_initialized()
+    if started:
+        store = tempfile.mkdtemp(prefix="sextant-docs-")
+        dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    try:
+        x = torch.randn(2, 16, 64)
+        return sextant.compile(_ParallelBlock().eval(), (x,), cache=False)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def snippet_dist_graph() -> str:
+    return _relative(str(_parallel_block().stages["program"].graph))
+
+
+def snippet_dist_schedule() -> str:
+    return _relative(_parallel_block().stages["program"].describe())
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
     "train-stats": snippet_train_stats,
     "train-forward-return": snippet_train_forward_return,
@@ -823,6 +877,8 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "gpt2-ops": snippet_gpt2_ops,
     "unsupported-error": snippet_unsupported_error,
     "extern-graph": snippet_extern_graph,
+    "dist-graph": snippet_dist_graph,
+    "dist-schedule": snippet_dist_schedule,
     "extern-schedule": snippet_extern_schedule,
     "onnx-imported": snippet_onnx_imported,
     "onnx-optimised": snippet_onnx_optimised,
