@@ -137,8 +137,9 @@ def _compile_training(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
             with _disable_current_modes():  # AOTAutograd's runtime wrapper watches the first call through a mode
                 fn = _compile_static(g, args, opts, target)
             saved = saved_activations(g) if role == "backward" else None
-            STATS.graphs.append(GraphRecord(_ops(g), target, role=role, externs=_externs(fn), saved=saved,
-                                            compiled=fn))
+            module = getattr(fn, "compiled", fn)  # the CompiledModule behind a wrapper that skips arguments
+            STATS.graphs.append(GraphRecord(_ops(g), target, role=role, externs=_externs(module), saved=saved,
+                                            compiled=module))
             kept = f" ({saved[0]} activations saved by the forward, {saved[1]} bytes)" if saved else ""
             log.info("sextant: compiled a %s graph of %d ops for %s%s", role, _ops(g), target, kept)
             return fn
@@ -161,15 +162,16 @@ def _compile_static(gm: torch.fx.GraphModule, args: Sequence[Any], opts: Mapping
     gm, passed = _opaque_outputs(gm)
     flat = _Flat(gm, args)
     with outside_dynamo():
-        compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.baked),
+        compiled = sextant.compile(flat, tuple(a for i, a in enumerate(args) if i not in flat.skipped),
                                    target=target, arch=opts.get("arch"), pipeline=opts.get("pipeline", "default"))
-    if not flat.baked and not passed:
+    if not flat.skipped and not passed:
         return compiled
-    if not passed:
-        return lambda *xs: compiled(*(x for i, x in enumerate(xs) if i not in flat.baked))
 
     def run(*xs: Any) -> Any:
-        out = list(compiled(*(x for i, x in enumerate(xs) if i not in flat.baked)))
+        out = compiled(*(x for i, x in enumerate(xs) if i not in flat.skipped))
+        if not passed:
+            return out
+        out = list(out)
         for position, source in passed:
             out.insert(position, xs[source])
         return tuple(out)
@@ -221,7 +223,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     def compile_symbolic(args: Sequence[Any], plan: _SizePlan) -> Any:
         """One symbolic capture for every size (``sextant.compile(dynamic_shapes=...)``)."""
         flat = _Flat(gm, args)
-        kept = [i for i in range(len(args)) if i not in flat.baked]
+        kept = [i for i in range(len(args)) if i not in flat.skipped]
         sized = _Sized(flat, kept, plan)
         tensors = tuple(args[i] for i in sized.tensor_args)
         with outside_dynamo():
@@ -264,15 +266,15 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         compiled = compile_for(example_inputs)
     except Exception as e:  # not only SextantError: a bug in sextant must not break a model that runs eagerly
         return fall_back(_why(e))
-    STATS.graphs.append(GraphRecord(nodes, compiled.target, role=role, externs=_externs(compiled),
-                                    compiled=compiled))
+    module = getattr(compiled, "compiled", compiled)  # the CompiledModule behind a wrapper that skips arguments
+    STATS.graphs.append(GraphRecord(nodes, module.target, role=role, externs=_externs(module), compiled=module))
     log.info("sextant: compiled a %s of %d ops for %s", "graph" if role == "inference" else f"{role} graph",
-             nodes, compiled.target)
+             nodes, module.target)
 
     def run(*args: Any) -> Any:
         return compiled(*args)
 
-    run.compiled = compiled  # type: ignore[attr-defined]  # for inspection (stages, kernels)
+    run.compiled = module  # type: ignore[attr-defined]  # for inspection (stages, kernels)
     return run
 
 
@@ -457,13 +459,19 @@ class _Flat(torch.nn.Module):
         self.gm = gm
         self.baked = {i: a.item() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
                       and a.dtype == torch.float64 and a.device.type == "cpu"}
+        # objects that are neither tensors nor sizes (a tensor-parallel graph's DeviceMesh, which
+        # AOTAutograd passes along but no op computes with): handed to the graph as they are, not
+        # exported as inputs
+        self.objects = {i: a for i, a in enumerate(args)
+                        if not isinstance(a, (torch.Tensor, int, float, bool, torch.SymInt)) and a is not None}
+        self.skipped = set(self.baked) | set(self.objects)
         self._n = len(args)
         self._traced = any(n.meta.get("stack_trace") for n in gm.graph.nodes)
 
     def forward(self, *args: torch.Tensor) -> Any:
         it = iter(args)
-        full = [torch.tensor(self.baked[i], dtype=torch.float64) if i in self.baked else next(it)
-                for i in range(self._n)]
+        full = [torch.tensor(self.baked[i], dtype=torch.float64) if i in self.baked else
+                self.objects[i] if i in self.objects else next(it) for i in range(self._n)]
         if not self._traced:
             return self.gm(*full)
         # Node by node with the graph's own metadata current: the capture then records the user's

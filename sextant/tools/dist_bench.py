@@ -82,7 +82,30 @@ def run_rank(path: str, rank: int, world: int, store: str, iters: int, warmup: i
     train_ms, train_warm = _timed(step, iters, warmup)
     dist.destroy_process_group()
     return {"path": path, "forward_ms": fwd_ms, "train_ms": train_ms, "warmup_s": fwd_warm + train_warm,
-            "max_err": (got - want).abs().max().item()}
+            "max_err": (got - want).abs().max().item(), "notes": _sextant_notes() if path == "sextant" else ""}
+
+
+def _sextant_notes() -> str:
+    """Which graphs sextant compiled (a fallback to eager would show here) and how many of their
+    transfers overlap kernels."""
+    from sextant.frontend.dynamo import STATS
+    from sextant.schedule.program import CollectiveCall
+
+    parts = []
+    for g in STATS.graphs:
+        if g.compiled is None:
+            parts.append(f"{g.role}: eager ({g.reason})")
+            continue
+        program = getattr(g.compiled, "compiled", g.compiled).stages["program"]
+        starts = [li for li, la in enumerate(program.launches)
+                  if isinstance(la.extern, CollectiveCall) and la.extern.stage == "start"]
+        waits = {la.args: li for li, la in enumerate(program.launches)
+                 if isinstance(la.extern, CollectiveCall) and la.extern.stage == "wait"}
+        overlapped = sum(any(x.extern is None for x in program.launches[s + 1:waits[program.launches[s].args]])
+                         for s in starts)
+        parts.append(f"{g.role}: {sum(la.extern is None for la in program.launches)} kernels, "
+                     f"{len(starts)} collectives ({overlapped} overlapping kernels)")
+    return "; ".join(parts)
 
 
 def _run_path(path: str, ns: argparse.Namespace) -> dict[str, Any]:
@@ -111,14 +134,15 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['path']} | {r['forward_ms']:.1f} | {ratio(r, 'forward_ms', eager)} | "
                      f"{ratio(r, 'forward_ms', inductor)} | {r['train_ms']:.1f} | {ratio(r, 'train_ms', eager)} | "
                      f"{ratio(r, 'train_ms', inductor)} | {r['warmup_s']:.1f} | {r['max_err']:.1e} |")
-    return "\n".join(lines)
+    notes = [f"- {r['path']}: {r['notes']}" for r in rows if r.get("notes")]
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sextant.tools.dist_bench", description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--paths", default=",".join(PATHS))
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--markdown", help="rewrite the dist-bench block of this file")
     p.add_argument("--child", help=argparse.SUPPRESS)

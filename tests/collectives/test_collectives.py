@@ -70,10 +70,10 @@ def test_export_path_reference_executor_and_cached_artifact(reports):
         assert r["cached"] < TOL and r["cache_hit"]
 
 
-def test_dtensor_llama_forward_and_training_step(reports):
+def test_dtensor_llama_forward_on_cpu_and_cuda_sim_and_training_step(reports):
     for r in scenario(reports, "dtensor_llama"):
         fwd = r["forward"]
-        assert fwd["err"] < 1e-4, fwd
+        assert fwd["err"] < 1e-4 and fwd["cuda-sim"] < 1e-4, fwd
         assert fwd["graphs"] and all(target is not None and externs == [] for _, target, externs in fwd["graphs"])
         assert fwd["collectives"] >= 4  # per layer: one after attention's o, one after the MLP's down
         assert all(target is not None for _, target, _ in r["train_graphs"]), r["train_graphs"]

@@ -188,6 +188,8 @@ def dtensor_llama(rank: int, world: int) -> dict[str, Any]:
     infer = {"err": _err(got, want), "graphs": [(g.role, g.target, list(g.externs)) for g in STATS.graphs],
              "collectives": sum(str(g.compiled.stages["program"].graph).count("collective(")
                                 for g in STATS.graphs if g.compiled is not None)}
+    with torch.no_grad():
+        infer["cuda-sim"] = _err(_compile(sharded, "cuda-sim")(tokens), want)
     STATS.reset()
     loss_full = full(tokens).float().square().mean()
     loss_full.backward()
