@@ -125,3 +125,29 @@ def test_without_a_process_group_the_error_says_so():
     compiled = sextant.compile_graph(_graph(), target="cpu")
     with pytest.raises(CollectiveError, match="not initialised"):
         compiled._executor([torch.randn(8, 16), *(torch.randn(16, 16) for _ in range(3))])
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+def test_symbolic_batch_through_all_reduce_gather_and_scatter(world_of_one, target):
+    """One program over a symbolic batch: the collectives' buffers are sized per call."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.export import Dim
+
+    import sextant
+
+    class Sharded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = funcol.all_reduce(self.fc(x), "sum", dist.group.WORLD)
+            z = funcol.all_gather_tensor(y, 0, dist.group.WORLD)
+            return funcol.reduce_scatter_tensor(z * 2, "sum", 0, dist.group.WORLD) + 1
+
+    m = Sharded()
+    compiled = sextant.compile(m, (torch.randn(5, 16),), dynamic_shapes={"x": {0: Dim("b", max=64)}}, target=target)
+    assert "per_binding" not in compiled.stages  # one program for every batch
+    for n in (3, 7):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
