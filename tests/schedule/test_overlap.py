@@ -151,3 +151,24 @@ def test_symbolic_batch_through_all_reduce_gather_and_scatter(world_of_one, targ
     for n in (3, 7):
         x = torch.randn(n, 16)
         torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_coalesced_forms_become_one_collective_per_tensor(world_of_one):
+    import torch.distributed._functional_collectives as funcol
+
+    import sextant
+
+    class Coalesced(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            g = dist.group.WORLD
+            x, y = funcol.all_reduce_coalesced([a.sin(), b.cos()], "sum", g)
+            p, q = funcol.all_gather_into_tensor_coalesced([x, y], g)
+            r, s = funcol.reduce_scatter_tensor_coalesced([p * 2, q], "sum", [0, 0], g)
+            return r + s
+
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    compiled = sextant.compile(Coalesced(), (a, b))
+    torch.testing.assert_close(compiled(a, b), a.sin() * 2 + b.cos())
+    kinds = [la.extern.kind for la in compiled.stages["program"].launches
+             if isinstance(la.extern, CollectiveCall) and la.extern.stage == "start"]
+    assert kinds == ["all_reduce", "all_reduce", "all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
