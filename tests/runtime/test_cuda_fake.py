@@ -511,6 +511,54 @@ def test_extern_calls_run_between_kernels_on_the_gpu_path(use_graph: bool) -> No
     assert len(runner.profile([x], repeats=2)) == len(program.launches)
 
 
+class _ParallelHalves(torch.nn.Module):
+    """Two matmuls, each ending in an all_reduce; the second's kernels can run while the first is in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        y = funcol.all_reduce(self.a(x).relu(), "sum", dist.group.WORLD)
+        z = funcol.all_reduce(self.b(x).tanh(), "sum", dist.group.WORLD)
+        return y * z
+
+
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_collectives_run_between_kernels_on_the_gpu_path(use_graph: bool, tmp_path) -> None:
+    """target="cuda" with collectives (a world of one, gloo over the fake driver's host tensors): the
+    starts and waits are host calls between the kernel runs, with or without CUDA graphs, and the
+    profile issues each transfer once."""
+    import torch.distributed as dist
+
+    from sextant.schedule.program import CollectiveCall
+
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo and no process group in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _ParallelHalves().eval()
+        x = torch.randn(12, 16)
+        program = schedule(run_pipeline(capture(model, (x,))), sm90_target())
+        stages = [la.extern.stage for la in program.launches if isinstance(la.extern, CollectiveCall)]
+        assert stages == ["start", "start", "wait", "wait"]  # the second matmul overlaps the first transfer
+        kernels = list(program.kernels.values())
+        fake = FakeDriver(program, compile_kernels(kernels))
+        runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90").ptx, arch="sm_90", device="cpu",
+                            driver=fake, use_graph=use_graph)
+        compiled = CompiledModule(program.graph, "cuda", runner, device="cpu")
+        for _ in range(3):
+            x = torch.randn(12, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        assert len(runner.profile([x], repeats=2)) == len(program.launches)
+        runner.close()
+    finally:
+        dist.destroy_process_group()
+
+
 class _KVCache(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
