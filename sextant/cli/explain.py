@@ -111,8 +111,9 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
       f"planned peak memory {_kib(program.peak_bytes)}")
     for i, launch in enumerate(program.launches):
         g = program.groups[launch.group]
-        if launch.extern is not None:  # the op itself, called between kernels (no lowering in sextant)
-            p(f"  #{i:<2} {launch.kernel:<16} {'extern':<11} host call  [{launch.extern.fn}]")
+        if launch.extern is not None:  # the op itself, or a collective's start or wait, between kernels
+            kind = g.kind if g.kind in ("collective", "wait") else "extern"
+            p(f"  #{i:<2} {launch.kernel:<16} {kind:<11} host call  [{launch.extern.fn}]")
             p(f"      from:  {launch.extern.loc or '?'}")
             continue
         k = program.kernels[launch.kernel]

@@ -75,7 +75,7 @@ def node_flops(n: Node) -> int:
         return n.type.numel
     if n.op == "scatter" and n.attr("reduce") == "add":  # one add per element of the slices
         return n.inputs[2].type.numel
-    if n.op in FREE_OPS or n.op in ("extern", "scatter", "copy"):  # extern: not modelled, its bytes are counted;
+    if n.op in FREE_OPS or n.op in ("extern", "scatter", "copy", "collective", "wait"):  # host calls: not modelled;
         return 0  # scatter and copy move bytes only
     raise ValueError(f"cost model: no FLOP rule for op {n.op!r}")
 
@@ -86,7 +86,9 @@ def split_args(program: Program, launch: Launch) -> tuple[tuple[int, ...], tuple
     cut = len(launch.args) - len(outputs)
     reads, writes = launch.args[:cut], launch.args[cut:]
     group = program.groups[launch.group]
-    if group.kind == "scatter":  # written in place: the buffer is its operand's (schedule/scatter.py)
+    # a scatter writes in place into its operand's buffer (schedule/scatter.py); a wait's value is its
+    # collective's result buffer, once arrived (schedule/program.py)
+    if group.kind in ("scatter", "wait"):
         outputs = [group.anchor.inputs[0]]
     if [id(program.buffers[b].node) for b in writes] != [id(o) for o in outputs]:
         raise ValueError(f"launch of {launch.kernel}: its last {len(outputs)} argument(s) are not its group's "

@@ -196,7 +196,7 @@ class _Report:
         p = self.program
         rows = []
         for li, launch in enumerate(p.launches):
-            if (call := launch.extern) is None:
+            if (call := launch.extern) is None or not hasattr(call, "kwargs"):  # a kernel, or a collective
                 continue
             src = source_line(call.loc) if call.loc else None
             types = lambda bs: ", ".join(str(p.buffers[b].node.type) for b in bs)

@@ -172,3 +172,11 @@ def test_coalesced_forms_become_one_collective_per_tensor(world_of_one):
     kinds = [la.extern.kind for la in compiled.stages["program"].launches
              if isinstance(la.extern, CollectiveCall) and la.extern.stage == "start"]
     assert kinds == ["all_reduce", "all_reduce", "all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
+
+
+def test_report_renders_a_program_with_collectives():
+    import sextant
+    from sextant.report.html import render_report
+
+    html = render_report(sextant.compile_graph(_graph(), target="cuda-sim"))  # compiles without a process group
+    assert "collective_0" in html and "wait_0" in html
