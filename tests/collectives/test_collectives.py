@@ -70,7 +70,7 @@ def test_export_path_reference_executor_and_cached_artifact(reports):
         assert r["cached"] < TOL and r["cache_hit"]
 
 
-def test_dtensor_llama_forward_on_cpu_and_cuda_sim_and_training_step(reports):
+def test_dtensor_llama_forward_on_cpu_and_cuda_sim_and_training_steps(reports):
     for r in scenario(reports, "dtensor_llama"):
         fwd = r["forward"]
         assert fwd["err"] < 1e-4 and fwd["cuda-sim"] < 1e-4, fwd
@@ -79,6 +79,8 @@ def test_dtensor_llama_forward_on_cpu_and_cuda_sim_and_training_step(reports):
         assert all(target is not None for _, target, _ in r["train_graphs"]), r["train_graphs"]
         assert {"forward", "backward"} <= {role for role, _, _ in r["train_graphs"]}
         assert r["loss_err"] < 1e-4 and r["grad_rel_err"] < 1e-4
+        assert r["step_graphs"] and all(target is not None for _, target, _ in r["step_graphs"]), r["step_graphs"]
+        assert r["param_err_after_2_steps"] < 1e-5
 
 
 def test_schedule_overlaps_the_transfer_with_independent_kernels(reports):

@@ -201,8 +201,22 @@ def dtensor_llama(rank: int, world: int) -> dict[str, Any]:
         g = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
         grad_err = max(grad_err, _err(g, p.grad) / (p.grad.abs().max().item() + 1e-6))
     roles = [(g.role, g.target, g.reason) for g in STATS.graphs]
+    # the optimizer step over the sharded parameters, compiled too; then a second whole step
+    opt, opt_full = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (sharded, full))
+    step = torch.compile(opt.step, backend="sextant", options={"fallback": False})
+    for i in range(2):
+        if i:
+            opt.zero_grad()
+            opt_full.zero_grad()
+            compiled(tokens).float().square().mean().backward()
+            full(tokens).float().square().mean().backward()
+        step()
+        opt_full.step()
+    param_err = max(_err(q.full_tensor() if isinstance(q, DTensor) else q, p)
+                    for p, q in zip(full.parameters(), sharded.parameters()))
     return {"forward": infer, "loss_err": abs(loss.item() - loss_full.item()), "grad_rel_err": grad_err,
-            "train_graphs": roles}
+            "train_graphs": roles, "param_err_after_2_steps": param_err,
+            "step_graphs": [(g.role, g.target, g.reason) for g in STATS.graphs[len(roles):]]}
 
 
 @scenario
