@@ -58,3 +58,4 @@ bench: $(STAMP)
 	$(BIN)/python -m sextant.tools.decode_bench
 	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.train_bench --markdown docs/benchmarks.md
 	$(BIN)/python -m sextant.tools.dist_bench --markdown docs/benchmarks.md
+	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.bench --real-size

@@ -226,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--keep-cache", action="store_true", help="use the usual object cache (default: a fresh "
                     "one, so the cold compile times are cold)")
+    ap.add_argument("--real-size", action="store_true", help="the deployment-size set instead "
+                    "(tools/real_bench.py: ResNet-50, BERT-base, ViT-B/16, GPT-2 small, MobileNet-V2, per-kernel "
+                    "efficiency), into its block of --out")
     ns = ap.parse_args(argv)
+    if ns.real_size:
+        from sextant.tools import real_bench
+
+        return real_bench.main(["--markdown", ns.out] + (["--no-inductor"] if ns.no_inductor else []))
     if not ns.keep_cache:
         os.environ["SEXTANT_CACHE_DIR"] = tempfile.mkdtemp(prefix="sextant-bench-cache-")
     rows = []

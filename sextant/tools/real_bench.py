@@ -1,0 +1,247 @@
+"""Deployment-size models on the CPU, and where the time goes per kernel (``make bench``'s ``--real-size`` set).
+
+The small set of ``make bench`` (hidden 128, 64×64 images) measures per-call overhead; at the sizes
+people deploy, the GEMM and convolution kernels decide. Five models at their real sizes, built from
+``transformers`` configs with random weights (no hub), fp32, batch 1:
+
+| name | model |
+|---|---|
+| resnet50 | ResNet-50 (``ResNetConfig()``: bottleneck, depths 3-4-6-3), 224×224, logits |
+| bert-base | BERT-base (``BertConfig()``), 128 tokens, last hidden state |
+| vit-b16 | ViT-B/16 (``ViTConfig()``), 224×224, logits |
+| gpt2-small | GPT-2 small, 124M (``GPT2Config()``), 256 tokens, logits |
+| mobilenet-v2 | MobileNet-V2 (``MobileNetV2Config()``), 224×224, logits (stands in for torchvision's V3) |
+
+Each model runs in its own process: eager, Inductor (``torch.compile``) and sextant's cpu target,
+median of ``--iters`` calls after a warm-up, both cores for every path. Then sextant's program is
+profiled launch by launch (``NativeRunner.profile``) and each launch's FLOPs (``report/cost.py``)
+give its achieved GFLOP/s against this CPU's measured fp32 FMA peak (``tools/fma_peak.py``, all
+cores). For the GEMM shapes that take the most time, torch's own ``a @ b`` (MKL) on the same shape
+is timed in the same process: the vendor library's GFLOP/s to beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+BEGIN, END = "<!-- real-bench:begin -->", "<!-- real-bench:end -->"
+
+
+class _Logits(nn.Module):
+    """A ``transformers`` model whose forward returns one tensor (its ``field``)."""
+
+    def __init__(self, model: nn.Module, field: str) -> None:
+        super().__init__()
+        self.model, self.field = model.eval(), field
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model(x), self.field)
+
+
+def _build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    image = (torch.randn(1, 3, 224, 224),)
+    if name == "resnet50":
+        return _Logits(tf.ResNetForImageClassification(tf.ResNetConfig()), "logits"), image
+    if name == "bert-base":
+        return _Logits(tf.BertModel(tf.BertConfig(), add_pooling_layer=False), "last_hidden_state"), \
+            (torch.randint(0, 30522, (1, 128)),)
+    if name == "vit-b16":
+        return _Logits(tf.ViTForImageClassification(tf.ViTConfig()), "logits"), image
+    if name == "gpt2-small":
+        return _Logits(tf.GPT2LMHeadModel(tf.GPT2Config()), "logits"), (torch.randint(0, 50257, (1, 256)),)
+    if name == "mobilenet-v2":
+        return _Logits(tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config()), "logits"), image
+    if name == "tiny":  # the tool's smoke test: a small ResNet with a Linear head, 32×32
+        cfg = tf.ResNetConfig(embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
+        return _Logits(tf.ResNetForImageClassification(cfg), "logits"), (torch.randn(1, 3, 32, 32),)
+    raise SystemExit(f"unknown model {name!r}")
+
+
+MODELS = ("resnet50", "bert-base", "vit-b16", "gpt2-small", "mobilenet-v2")
+
+
+def _median_ms(fn: Callable[[], Any], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _contraction(program: Any, launch: Any) -> tuple | None:
+    """What a contraction launch computes, as a key: ("matmul", batch, M, N, K), ("conv", output shape,
+    weight shape, stride, groups) or ("attention", q shape, k shape)."""
+    g = program.groups[launch.group]
+    a = g.anchor
+    if g.kind == "matmul":
+        x, w = a.inputs
+        batch = 1
+        for d in a.shape[:-2]:
+            batch *= d
+        return "matmul", batch, x.shape[-2], w.shape[-1], x.shape[-1]
+    if g.kind == "conv":
+        return "conv", tuple(a.shape), tuple(a.inputs[1].shape), tuple(a.attr("stride")), a.attr("groups")
+    if g.kind == "attention" and g.attention is not None:
+        return "attention", tuple(g.anchor.shape)
+    return None
+
+
+def _describe(key: tuple) -> str:
+    dims = lambda t: "×".join(map(str, t))
+    if key[0] == "matmul":
+        return f"matmul {dims(key[1:])}"
+    if key[0] == "conv":
+        return f"conv → {dims(key[1])}, w {dims(key[2])}, stride {dims(key[3])}, groups {key[4]}"
+    return f"attention → {dims(key[1])}"
+
+
+def _mkl_gflops(batch: int, m: int, n: int, k: int, iters: int = 10) -> float:
+    a, b = torch.randn(batch, m, k), torch.randn(batch, k, n)
+    ms = _median_ms(lambda: torch.matmul(a, b), iters)
+    return 2 * batch * m * n * k / (ms * 1e-3) / 1e9
+
+
+def run_model(name: str, iters: int, inductor: bool) -> dict[str, Any]:
+    import sextant
+    from sextant.report.cost import program_costs
+    from sextant.tools.fma_peak import measure
+
+    model, args = _build(name)
+    row: dict[str, Any] = {"model": name}
+    with torch.no_grad():
+        want = model(*args)
+        row["eager_ms"] = _median_ms(lambda: model(*args), iters)
+        t0 = time.perf_counter()
+        compiled = sextant.compile(model, args, target="cpu", cache=False)
+        row["sextant_compile_s"] = time.perf_counter() - t0
+        got = compiled(*args)
+        row["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        row["sextant_ms"] = _median_ms(lambda: compiled(*args), iters)
+        if inductor:
+            opt = torch.compile(model)
+            t0 = time.perf_counter()
+            opt(*args)
+            row["inductor_compile_s"] = time.perf_counter() - t0
+            row["inductor_ms"] = _median_ms(lambda: opt(*args), iters)
+            from torch._inductor.async_compile import shutdown_compile_workers
+
+            shutdown_compile_workers()
+    program = compiled.stages["program"]
+    per_launch = [s * 1e3 for s in compiled._executor.profile(list(args))]
+    costs = program_costs(program)
+    peak = measure()
+    row["peak_gflops"] = peak.all_cores
+    contraction = {"matmul", "conv", "attention"}
+    kinds: dict[str, list[float]] = {}  # kind -> [ms, flops, bytes]
+    shapes: dict[tuple, list[float]] = {}  # _contraction's key -> [ms, flops, launches]
+    for la, ms, cost in zip(program.launches, per_launch, costs):
+        kind = program.groups[la.group].kind if la.extern is None else "host call"
+        acc = kinds.setdefault(kind, [0.0, 0, 0])
+        acc[0] += ms
+        acc[1] += cost.flops
+        acc[2] += cost.bytes
+        shape = _contraction(program, la) if la.extern is None else None
+        if shape is not None:
+            s = shapes.setdefault(shape, [0.0, 0, 0])
+            s[0] += ms
+            s[1] += cost.flops
+            s[2] += 1
+    row["kinds"] = {k: {"ms": v[0], "gflops": v[1] / (v[0] * 1e-3) / 1e9 if v[0] > 0 else 0.0,
+                        "bytes_per_flop": v[2] / v[1] if v[1] else None} for k, v in kinds.items()}
+    row["kernels_ms"] = sum(per_launch)
+    cms = sum(v[0] for k, v in kinds.items() if k in contraction)
+    cflops = sum(v[1] for k, v in kinds.items() if k in contraction)
+    row["contraction_ms"], row["contraction_gflops"] = cms, cflops / (cms * 1e-3) / 1e9 if cms else 0.0
+    top = sorted(shapes.items(), key=lambda kv: -kv[1][0])[:4]
+    row["gemms"] = [{"what": _describe(sh), "ms": v[0], "launches": v[2], "gflops": v[1] / (v[0] * 1e-3) / 1e9,
+                     "mkl_gflops": _mkl_gflops(*sh[1:]) if sh[0] == "matmul" else None} for sh, v in top]
+    return row
+
+
+def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "sextant.tools.real_bench", "--child", name, "--iters", str(ns.iters)]
+    if ns.no_inductor:
+        cmd.append("--no-inductor")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"real bench {name} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    def f(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "–"
+
+    lines = ["| model | eager ms | Inductor × eager | sextant ms | × eager | × Inductor | GEMM/conv/attention share "
+             "| their GFLOP/s (% of peak) | other kernels ms | overhead ms | sextant compile s | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ind = r.get("inductor_ms")
+        other = r["kernels_ms"] - r["contraction_ms"]
+        lines.append(
+            f"| {r['model']} | {r['eager_ms']:.1f} | {f(ind / r['eager_ms'] if ind else None, '.2f')} | "
+            f"{r['sextant_ms']:.1f} | {r['sextant_ms'] / r['eager_ms']:.2f} | "
+            f"{f(r['sextant_ms'] / ind if ind else None, '.2f')} | "
+            f"{100 * r['contraction_ms'] / r['sextant_ms']:.0f}% | {r['contraction_gflops']:.0f} "
+            f"({100 * r['contraction_gflops'] / r['peak_gflops']:.0f}%) | {other:.1f} | "
+            f"{r['sextant_ms'] - r['kernels_ms']:.1f} | {r['sextant_compile_s']:.1f} | {r['rel_err']:.0e} |")
+    lines += ["", "Per model, the four contraction shapes that take the most time (a matmul as batch × M × N × K; "
+              "sextant's GFLOP/s inside the forward; for a matmul, torch's `a @ b` — MKL — on the same shape in "
+              "the same process):", "",
+              "| model | kernel | launches | sextant ms | GFLOP/s | % of peak | MKL GFLOP/s | sextant / MKL |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for g in r["gemms"]:
+            mkl = g["mkl_gflops"]
+            lines.append(f"| {r['model']} | {g['what']} | {g['launches']} | {g['ms']:.2f} | {g['gflops']:.0f} | "
+                         f"{100 * g['gflops'] / r['peak_gflops']:.0f}% | {f(mkl, '.0f')} | "
+                         f"{f(g['gflops'] / mkl if mkl else None, '.2f')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sextant.tools.real_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--markdown", help="rewrite the real-bench block of this file")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.child:
+        print(json.dumps(run_model(ns.child, ns.iters, not ns.no_inductor)))
+        return 0
+    from sextant.tools.bench import _machine, rewrite_block
+    from sextant.tools.fma_peak import measure
+
+    rows = []
+    for name in ns.models.split(","):
+        print(f"real bench: {name} ...", file=sys.stderr, flush=True)
+        rows.append(_child(name, ns))
+    text = "\n".join([f"Machine: {_machine()}; {measure()}.", "",
+                      f"fp32, batch 1; ms: median of {ns.iters} calls after a warm-up. Shares and GFLOP/s come "
+                      "from sextant's per-launch profile (each launch's plan row run back to back inside the "
+                      "native executor); *overhead* is the call's time outside the kernels.", "", to_markdown(rows)])
+    print(text)
+    if ns.markdown:
+        rewrite_block(Path(ns.markdown), BEGIN, END, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The real-size benchmark's plumbing on a tiny model (the real set runs in ``make bench``): the
+measured FMA peak, the per-launch profile summed by kind, contraction shapes with MKL's figure."""
+
+from __future__ import annotations
+
+from sextant.tools import real_bench
+from sextant.tools.fma_peak import measure
+
+
+def test_fma_peak_is_measured():
+    peak = measure(seconds=0.05)
+    assert peak.lanes in (8, 16) and peak.one_core > 1 and peak.all_cores > 1
+    assert "GFLOP/s on one core" in str(peak)
+
+
+def test_profile_of_a_small_resnet():
+    row = real_bench.run_model("tiny", iters=1, inductor=False)
+    assert row["rel_err"] < 1e-4
+    assert {"conv", "matmul"} <= set(row["kinds"])
+    assert 0 < row["contraction_ms"] <= row["kernels_ms"]
+    assert row["gemms"] and all(g["gflops"] > 0 for g in row["gemms"])
+    matmuls = [g for g in row["gemms"] if g["what"].startswith("matmul")]
+    assert all(g["mkl_gflops"] > 0 for g in matmuls)
+    table = real_bench.to_markdown([row])
+    assert "| tiny |" in table and "conv →" in table
