@@ -129,11 +129,21 @@ def _pow(ctx: LoweringContext, a, b) -> Node:
     if isinstance(b, (int, float)) and not isinstance(b, bool) and out.is_float:
         if b == 1:
             return ctx.b.cast(a, out)
+        # the exponents torch's own CPU kernel computes without pow (and so to its bits); ``pow`` is a
+        # libm call the vectoriser cannot widen (GPT-2's GELU cubes its input in a GEMM's epilogue)
+        x = ctx.b.cast(a, out)
         if b == 2:
-            x = ctx.b.cast(a, out)
             return ctx.b.mul(x, x)
+        if b == 3:
+            return ctx.b.mul(ctx.b.mul(x, x), x)
         if b == 0.5:
-            return ctx.b.unary("sqrt", ctx.b.cast(a, out))
+            return ctx.b.unary("sqrt", x)
+        if b == -0.5:
+            return ctx.b.unary("rsqrt", x)
+        if b == -1:
+            return ctx.b.unary("reciprocal", x)
+        if b == -2:
+            return ctx.b.unary("reciprocal", ctx.b.mul(x, x))
     return ctx.b.binary("pow", a, b, dtype=out)
 
 
