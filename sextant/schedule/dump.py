@@ -74,26 +74,29 @@ def describe_program(p: Program) -> str:
     lines = [f"schedule @{p.graph.name} for {p.target.name}: {len(p.launches) - hosts} launches, "
              f"{len(p.kernels)} unique kernels{calls}, planned peak {_mib(p.peak_bytes)} "
              f"(arena {_mib(p.arena_bytes)})"]
+    if not p.groups:  # loaded from an artifact, which keeps kernels and launches, not the fusion groups
+        lines.append("  (loaded from an artifact: which graph ops each kernel computes is not kept)")
     for li, launch in enumerate(p.launches):
-        g = p.groups[launch.group]
+        g = p.groups[launch.group] if p.groups else None
+        kind = g.kind if g is not None else launch.kernel.rsplit("_", 1)[0]  # kernels are named <kind>_<n>
         if (call := launch.extern) is not None:  # an op called as itself, on the host, between kernels
             args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
             if isinstance(call, CollectiveCall):  # torch.distributed's transfer, started or waited for
                 what = " ".join([call.kind, *(f"{k}={v}" for k, v in call.attrs)]) if call.stage == "start" \
                     else f"wait for {launch.kernel.replace('wait', 'collective')}"
-                lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} {'host call':<12} [{what}]")
+                lines.append(f"  #{li:<3} {launch.kernel:<16} {kind:<11} {'host call':<12} [{what}]")
             else:
                 lines.append(f"  #{li:<3} {launch.kernel:<16} {'extern':<11} {'host call':<12} [{call.fn}]")
             lines.append(f"        buffers ({args})")
             lines.append(f"        from {call.loc or '?'}")
             continue
-        computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED]
+        computed = [n for n in p.computed_nodes(launch) if n.op not in NOT_COMPUTED] if g is not None else []
         k = p.kernels[launch.kernel]
-        ops = launch_ops(p, launch)
+        ops = launch_ops(p, launch) if g is not None else "?"
         locs = sorted({n.loc for n in computed if n.loc})
         args = ", ".join(f"{p.buffers[b].kind}:{p.buffers[b].node.type}" for b in launch.args)
         shape = f"grid={_dims(k.grid)} block={_dims(k.block)}" if p.target.is_gpu else f"blocks={launch.blocks}"
-        lines.append(f"  #{li:<3} {launch.kernel:<16} {g.kind:<11} {shape:<12} [{ops}]")
+        lines.append(f"  #{li:<3} {launch.kernel:<16} {kind:<11} {shape:<12} [{ops}]")
         if (mapping := k.meta.get("mapping")) is not None or launch.kernel in p.resources:
             extra = [f"mapping {mapping}"] if mapping else []
             if (r := p.resources.get(launch.kernel)) is not None:
@@ -104,7 +107,7 @@ def describe_program(p: Program) -> str:
             lines.append(f"        {'; '.join(extra)}")
         if (split := k.meta.get("split_key")) is not None and "combine" not in k.meta.get("mapping", ""):
             lines.append(f"        split-key: {split}; partials (O, m, l) to scratch, combined by the next launch")
-        if g.kind == "scatter":
+        if kind == "scatter" and g is not None:
             lines.append(f"        {update_summary(p, launch)}")
         lines.append(f"        buffers ({args})")
         if locs:

@@ -75,6 +75,8 @@ def _round_trip(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> 
     assert set(program.constants) == set(original.constants)
     assert all(torch.equal(program.constants[i], t) for i, t in original.constants.items())
     assert str(loaded.graph) == str(compiled.graph)
+    dump = program.describe()  # the schedule dump without the fusion groups, which artifacts do not keep
+    assert "loaded from an artifact" in dump and all(f" {la.kernel} " in dump for la in program.launches)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer-block"])
