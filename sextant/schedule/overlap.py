@@ -20,46 +20,10 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from sextant.graph.ir import Node
-from sextant.schedule.partition import Group
+from sextant.schedule.partition import Group, group_dependencies
 
 if TYPE_CHECKING:
     from sextant.schedule.program import Launch
-
-
-def group_dependencies(groups: list[Group]) -> list[set[int]]:
-    """Per group, the indices of the groups it reads (through nodes it recomputes inline)."""
-    owner = {id(m): gi for gi, g in enumerate(groups) for m in g.members}
-    inlined: dict[int, frozenset[int]] = {}
-
-    def reads(x: Node) -> frozenset[int]:
-        """Groups an ungrouped node reads, through other ungrouped nodes (memoised, iterative)."""
-        stack = [x]
-        while stack:
-            y = stack[-1]
-            if id(y) in inlined:
-                stack.pop()
-                continue
-            pending = [i for i in y.inputs if id(i) not in owner and id(i) not in inlined]
-            if pending:
-                stack.extend(pending)
-                continue
-            stack.pop()
-            found: set[int] = set()
-            for i in y.inputs:
-                found |= {owner[id(i)]} if id(i) in owner else inlined[id(i)]
-            inlined[id(y)] = frozenset(found)
-        return inlined[id(x)]
-
-    deps = []
-    for gi, g in enumerate(groups):
-        found: set[int] = set()
-        for m in g.members:
-            for x in m.inputs:
-                found |= {owner[id(x)]} if id(x) in owner else reads(x)
-        found.discard(gi)
-        deps.append(found)
-    return deps
 
 
 def overlap_collectives(groups: list[Group]) -> list[Group]:

@@ -670,44 +670,7 @@ class _Fusion:
         (``softmax * 2``) can come after a matmul that consumes the softmax, which would then be
         launched before its operand was computed. Kahn's algorithm, always taking the first
         ready group in the given order."""
-        index = {id(g): i for i, g in enumerate(groups)}
-        group_of = self.group_of
-        inlined_reads: dict[int, frozenset[int]] = {}  # ungrouped node -> groups it reads
-
-        def reads_of(x: Node) -> frozenset[int]:
-            """The groups an ungrouped node reads through other ungrouped nodes (memoised)."""
-            stack = [x]
-            while stack:
-                y = stack[-1]
-                if id(y) in inlined_reads:
-                    stack.pop()
-                    continue
-                pending = [i for i in y.inputs if id(i) not in group_of and id(i) not in inlined_reads]
-                if pending:
-                    stack.extend(pending)
-                    continue
-                stack.pop()
-                found: set[int] = set()
-                for i in y.inputs:
-                    h = group_of.get(id(i))
-                    found |= {index[id(h)]} if h is not None else inlined_reads[id(i)]
-                inlined_reads[id(y)] = frozenset(found)
-                self.work.add("fusion: dependency order", 1)
-            return inlined_reads[id(x)]
-
-        deps: list[set[int]] = []
-        for gi, g in enumerate(groups):
-            found: set[int] = set()
-            for m in g.members:
-                for x in m.inputs:
-                    h = group_of.get(id(x))
-                    if h is None:  # inlined into g: computed from its own operands
-                        found |= reads_of(x)
-                    else:
-                        found.add(index[id(h)])
-            found.discard(gi)
-            deps.append(found)
-            self.work.add("fusion: dependency order", len(g.members))
+        deps = group_dependencies(groups, self.work)
         waiting = [len(d) for d in deps]
         readers: list[list[int]] = [[] for _ in groups]
         for gi, d in enumerate(deps):
@@ -726,6 +689,45 @@ class _Fusion:
         if len(out) < len(groups):  # a fusion bug: the joins are meant to keep the groups acyclic
             raise AssertionError(f"fused groups depend on each other in a cycle: {[g.anchor for g in groups]}")
         return out
+
+
+def group_dependencies(groups: list[Group], work: WorkCounter | None = None) -> list[set[int]]:
+    """Per group, the indices of the groups it reads: directly, or through the ungrouped nodes it
+    recomputes inline (memoised per node, walked iteratively). ``work`` counts the nodes visited."""
+    owner = {id(m): gi for gi, g in enumerate(groups) for m in g.members}
+    inlined: dict[int, frozenset[int]] = {}  # ungrouped node -> groups it reads
+
+    def reads_of(x: Node) -> frozenset[int]:
+        stack = [x]
+        while stack:
+            y = stack[-1]
+            if id(y) in inlined:
+                stack.pop()
+                continue
+            pending = [i for i in y.inputs if id(i) not in owner and id(i) not in inlined]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            found: set[int] = set()
+            for i in y.inputs:
+                found |= {owner[id(i)]} if id(i) in owner else inlined[id(i)]
+            inlined[id(y)] = frozenset(found)
+            if work is not None:
+                work.add("fusion: dependency order", 1)
+        return inlined[id(x)]
+
+    deps: list[set[int]] = []
+    for gi, g in enumerate(groups):
+        found: set[int] = set()
+        for m in g.members:
+            for x in m.inputs:
+                found |= {owner[id(x)]} if id(x) in owner else reads_of(x)
+        found.discard(gi)
+        deps.append(found)
+        if work is not None:
+            work.add("fusion: dependency order", len(g.members))
+    return deps
 
 
 def _drop_stored_reshapes(groups: list[Group], stored: set[int], outputs: set[int]) -> None:
