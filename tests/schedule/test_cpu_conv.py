@@ -30,6 +30,8 @@ CASES = {  # name: (conv, input shape)
     "transposed": (lambda: nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1), (2, 8, 5, 6)),
     "depthwise": (lambda: nn.Conv2d(16, 16, 3, padding=1, groups=16), (2, 16, 8, 8)),
     "depthwise-7x7-ragged": (lambda: nn.Conv2d(8, 8, 7, padding=3, groups=8), (1, 8, 5, 11)),
+    "depthwise-planes-asymmetric": (lambda: nn.Conv2d(6, 6, (3, 5), padding=(1, 2), groups=6), (2, 6, 7, 9)),
+    "depthwise-planes-unpadded": (lambda: nn.Conv2d(8, 8, 3, groups=8), (1, 8, 9, 11)),  # 7×9 from 9×11
     "depthwise-stride2-dilated": (lambda: nn.Conv2d(8, 8, 3, stride=2, padding=2, dilation=2, groups=8),
                                   (2, 8, 9, 10)),
     "depthwise-unpadded-stride3": (lambda: nn.Conv2d(4, 4, (2, 3), stride=(1, 3), groups=4), (1, 4, 6, 14)),
@@ -37,7 +39,8 @@ CASES = {  # name: (conv, input shape)
     "channel-multiplier-2": (lambda: nn.Conv2d(8, 16, 3, padding=1, groups=8), (2, 8, 6, 6)),
     "depthwise-3d-direct": (lambda: nn.Conv3d(4, 4, 3, padding=1, groups=4), (1, 4, 4, 5, 3)),
 }
-MAPPING = {"depthwise": "depthwise", "depthwise-7x7-ragged": "depthwise", "depthwise-stride2-dilated": "depthwise",
+MAPPING = {"depthwise": "depthwise", "depthwise-7x7-ragged": "depthwise", "depthwise-planes-asymmetric": "depthwise",
+           "depthwise-planes-unpadded": "depthwise", "depthwise-stride2-dilated": "depthwise",
            "depthwise-unpadded-stride3": "depthwise", "depthwise-1d": "depthwise", "depthwise-3d-direct": "direct"}
 
 
@@ -72,7 +75,7 @@ def test_conv_matches_eager(case: str, vector_bytes: int) -> None:
     convs = [program.kernels[launch.kernel] for launch in program.launches
              if program.groups[launch.group].kind == "conv"]
     kinds = ["gemm" if any(b.name == "acc" for b in k.local) else
-             "depthwise" if any(b.name == "row" for b in k.local) else "direct" for k in convs]
+             "depthwise" if any(b.name in ("row", "plane") for b in k.local) else "direct" for k in convs]
     assert kinds == [MAPPING.get(case, "gemm")], "implicit GEMM unless one channel per group"
 
 
@@ -154,3 +157,15 @@ def test_a_computed_input_is_stored_once_not_recomputed_per_read() -> None:
     x2, y2 = torch.randn_like(x), torch.randn_like(y)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x2, y2), model(x2, y2), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("vector_bytes", [32, 64])
+def test_short_rows_take_the_plane_mapping(vector_bytes: int) -> None:
+    """A stride-1, size-preserving depthwise convolution over rows shorter than two vectors is
+    vectorised over the whole plane (``cpu_conv._depthwise_planes``); a stride-2 one keeps rows."""
+    for stride, local in ((1, "plane"), (2, "row")):
+        program, got, want = _run(ConvReLU(nn.Conv2d(16, 16, 3, stride, 1, groups=16)), torch.randn(1, 16, 14, 14),
+                                  vector_bytes)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        (k,) = [program.kernels[la.kernel] for la in program.launches if program.groups[la.group].kind == "conv"]
+        assert [b.name for b in k.local] == [local]
