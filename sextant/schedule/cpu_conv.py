@@ -17,7 +17,8 @@ become gathers — while the weight can be laid out at will. The cost is ``mr`` 
 broadcast into a vector) per k step, the same as the matmul's A.
 
 Depthwise convolutions (one channel per group: padded to a vector, most GEMM lanes would be zeros)
-have their own mapping, vectorised along the output row (:func:`depthwise_kernel`); the rest
+have their own mapping, vectorised along the output row (:func:`depthwise_kernel`), or over the
+whole plane where rows are short (:func:`_depthwise_planes`); the rest
 (3-D depthwise, weights computed from an input) keep the direct mapping (``kernels.conv_kernel``).
 """
 
