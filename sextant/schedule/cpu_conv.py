@@ -277,7 +277,10 @@ def depthwise_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
     mult = cout // cv.attr("groups")  # output channels per input channel
     # short rows, but not shorter than the kernel (a 7×7 kernel on a 2×2 map: most taps fall outside,
     # which the row mapping skips at compile time; measured faster there)
-    if (not one_d and stride == (1, 1) and dilation == (1, 1) and kw_n <= ow_n < 2 * max(1, target.vector_bytes // 4)):
+    # the plane mapping reads the input through a flat offset within its plane: it must be a buffer,
+    # not a re-indexing computed inline (the CPU stores every conv input, partition.store_conv_inputs)
+    if (not one_d and stride == (1, 1) and dilation == (1, 1) and kw_n <= ow_n < 2 * max(1, target.vector_bytes // 4)
+            and (id(x) in stored or x.op in ("input", "param"))):
         return _depthwise_planes(group, stored, target, name)
     e, params, _ = setup_kernel(group, stored)
     acc_t = accum_dtype(cv.dtype)
