@@ -59,3 +59,7 @@ class InputError(SextantError, ValueError):
 
 class ArtifactError(SextantError, ValueError):
     """A saved artifact directory cannot be written, or is missing, corrupted or mismatched when loaded."""
+
+
+class CollectiveError(SextantError, RuntimeError):
+    """A collective failed, or the ranks compiled programs whose collectives differ (``runtime/collectives.py``)."""

@@ -114,10 +114,12 @@ def _fall_back(gm: torch.fx.GraphModule, opts: Mapping[str, Any], reason: str,
 
 def _externs(compiled: Any) -> tuple[str, ...]:
     """The ATen ops a compiled graph's program calls as extern calls, in launch order."""
+    from sextant.schedule.program import ExternCall
+
     program = getattr(compiled, "stages", {}).get("program")
     if program is None:
         return ()
-    return tuple(la.extern.fn for la in program.launches if la.extern is not None and hasattr(la.extern, "kwargs"))
+    return tuple(la.extern.fn for la in program.launches if isinstance(la.extern, ExternCall))
 
 
 def _ops(gm: torch.fx.GraphModule) -> int:
@@ -428,8 +430,7 @@ def _why(e: BaseException) -> str:
     """A fallback's reason: sextant's own error as it explains itself; anything else (a bug in
     sextant) named as an internal error, so STATS and the log tell the two apart. A
     :class:`CollectiveError` is raised again, never fallen back from."""
-    from sextant.errors import SextantError
-    from sextant.runtime.collectives import CollectiveError
+    from sextant.errors import CollectiveError, SextantError
 
     if isinstance(e, CollectiveError):  # ranks that compiled different collectives: eagerly they would hang
         raise e

@@ -25,7 +25,7 @@ from sextant.report.graph_svg import HIDDEN_OPS, KIND_COLORS, graph_svg, op_labe
 from sextant.report.listings import llvm_functions, sass_functions
 from sextant.report.roofline import GPUS, Estimate, GpuSpec, estimate, gpu_spec, kernel_totals, time_by_bound
 from sextant.report.sources import source_line
-from sextant.schedule.program import Program
+from sextant.schedule.program import ExternCall, Program
 
 
 def esc(s: object) -> str:
@@ -196,7 +196,7 @@ class _Report:
         p = self.program
         rows = []
         for li, launch in enumerate(p.launches):
-            if (call := launch.extern) is None or not hasattr(call, "kwargs"):  # a kernel, or a collective
+            if not isinstance(call := launch.extern, ExternCall):  # a kernel, or a collective
                 continue
             src = source_line(call.loc) if call.loc else None
             types = lambda bs: ", ".join(str(p.buffers[b].node.type) for b in bs)

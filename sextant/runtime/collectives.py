@@ -17,13 +17,10 @@ from typing import Any
 
 import torch
 
-from sextant.errors import SextantError
+from sextant.errors import CollectiveError
+from sextant.schedule.program import CollectiveCall
 
 CHECK_TIMEOUT_S = 600.0  # how long a rank waits for the others to compile the same program
-
-
-class CollectiveError(SextantError, RuntimeError):
-    """A collective failed, or the ranks compiled programs whose collectives differ."""
 
 
 def _group(name: str) -> Any:
@@ -102,7 +99,7 @@ def collective_plan(program: Any, graph: Any) -> list[tuple[str, str]]:
         starts = [(dict(n.attrs), n.inputs[0].type) for n in graph.nodes if n.op == "collective"]
     else:
         starts = [({"kind": la.extern.kind, **dict(la.extern.attrs)}, program.buffers[la.args[0]].node.type)
-                  for la in program.launches if getattr(la.extern, "stage", None) == "start"]
+                  for la in program.launches if isinstance(la.extern, CollectiveCall) and la.extern.stage == "start"]
     return [(a["group"], signature(a, t.shape, t.dtype.value)) for a, t in starts]
 
 
@@ -121,7 +118,7 @@ def check_ranks_agree(program: Any, graph: Any, timeout_s: float | None = None) 
     groups = sorted({g for g, _ in issued})
     plan = [line for _, line in issued]
     store = dist.distributed_c10d._get_default_store()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     members = sorted({r for g in groups for r in dist.get_process_group_ranks(_group(g))})
     text = "\n".join(plan)
     digest = hashlib.sha256(text.encode()).hexdigest()
@@ -129,7 +126,7 @@ def check_ranks_agree(program: Any, graph: Any, timeout_s: float | None = None) 
     key = f"sextant/collectives/{k}"
     store.set(f"{key}/{rank}", f"{digest}\n{text}")
     timeout = timedelta(seconds=CHECK_TIMEOUT_S if timeout_s is None else timeout_s)
-    others = [r for r in members if r != rank and r < world]
+    others = [r for r in members if r != rank]
     try:
         store.wait([f"{key}/{r}" for r in others], timeout)
     except Exception as e:

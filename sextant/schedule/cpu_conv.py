@@ -275,10 +275,10 @@ def depthwise_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
     ih_n, iw_n = (1, x.shape[2]) if one_d else x.shape[2:]
     kh_n, kw_n = (1, w.shape[2]) if one_d else w.shape[2:]
     mult = cout // cv.attr("groups")  # output channels per input channel
-    # short rows, but not shorter than the kernel (a 7×7 kernel on a 2×2 map: most taps fall outside,
-    # which the row mapping skips at compile time; measured faster there)
-    # the plane mapping reads the input through a flat offset within its plane: it must be a buffer,
-    # not a re-indexing computed inline (the CPU stores every conv input, partition.store_conv_inputs)
+    # The plane mapping: for rows shorter than two vectors but not than the kernel (a 7×7 kernel on a
+    # 2×2 map has most taps outside, which the row mapping skips at compile time: measured faster), and
+    # over an input that is a buffer (its reads are a flat offset within the plane, which a re-indexing
+    # computed inline would misread; the CPU stores every conv input, partition.store_conv_inputs).
     if (not one_d and stride == (1, 1) and dilation == (1, 1) and kw_n <= ow_n < 2 * max(1, target.vector_bytes // 4)
             and (id(x) in stored or x.op in ("input", "param"))):
         return _depthwise_planes(group, stored, target, name)

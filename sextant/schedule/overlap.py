@@ -54,11 +54,13 @@ def overlap_collectives(groups: list[Group]) -> list[Group]:
 
 def overlap_notes(launches: list[Launch]) -> list[str]:
     """One line per transfer: how many kernel launches run while it is in flight."""
+    from sextant.schedule.program import CollectiveCall  # (program.py imports this module)
+
     notes = []
     started: dict[tuple[int, ...], int] = {}
     for li, la in enumerate(launches):
         call = la.extern
-        if call is None or not hasattr(call, "stage"):  # a kernel, or an extern op
+        if not isinstance(call, CollectiveCall):  # a kernel, or an extern op
             continue
         if call.stage == "start":
             started[la.args] = li

@@ -345,6 +345,10 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
             buffers.append(BufferInfo(len(buffers), kind, n))
         return index_of[id(n)]
 
+    def operand(n: Node, computed: str = "temp") -> int:
+        """The buffer a launch reads ``n`` from: an input's or a weight's own, else one of ``computed``'s kind."""
+        return buffer(n, n.op if n.op in ("param", "input") else computed)
+
     for n in graph.inputs:
         buffer(n, "input")
     with torch.no_grad():
@@ -367,19 +371,16 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
             continue  # nothing to compute: an empty output needs a buffer (allocated below), not a kernel
         if g.kind in ("collective", "wait"):  # torch.distributed's, on the host: the operand and the result
             c = g.anchor if g.kind == "collective" else g.anchor.inputs[0]
-            x = buffer(c.inputs[0], "param" if c.inputs[0].op == "param" else
-                        "input" if c.inputs[0].op == "input" else "temp")
-            out = buffer(c, "temp")
+            x, out = operand(c.inputs[0]), buffer(c, "temp")
             if g.kind == "wait":  # the wait's value is the result buffer, once arrived
-                _alias_wait(g.anchor, buffers, index_of, graph_outputs)
+                _share_buffer(g.anchor, c, buffers, index_of, graph_outputs)
             call = CollectiveCall(c.attr("kind"), "start" if g.kind == "collective" else "wait",
                                   tuple((k, v) for k, v in c.attrs if k != "kind"), c.loc)
             launches.append(Launch(f"{g.kind}_{transfers.setdefault(id(c), len(transfers))}", gi, (x, out), 1, call))
             work.add("collective calls")
             continue
         if g.kind == "extern":  # an op called as itself: no kernel, its operands and results as buffers
-            ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp")
-                   for n in g.outputs[0].inputs]
+            ins = [operand(n) for n in g.outputs[0].inputs]
             outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in g.outputs]
             launches.append(Launch(f"extern_{externs}", gi, tuple(ins + outs), 1, extern_call(g)))
             externs += 1
@@ -394,7 +395,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         if g.kind == "scatter":  # it writes the slices into its operand's buffer, reads what computes them
             reads = buffers_read(g.anchor.inputs[1:], stored)
             _alias_update(g.anchor, buffers, index_of, graph_outputs)
-        ins = [buffer(n, "param" if n.op == "param" else "input" if n.op == "input" else "temp") for n in reads]
+        ins = [operand(n) for n in reads]
         ins += [buffer(n, "temp") for n in scratch]
         outs = [buffer(o, "output" if id(o) in graph_outputs else "temp") for o in writes]
         for k in chain:
@@ -408,8 +409,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
                 kernels[name] = finish_kernel(dataclasses.replace(k, name=name), target, bounds, work)
                 work.add("kernels: finished")
             launches.append(Launch(name, gi, tuple(ins + outs), launch_blocks(k)))
-    outputs = [buffer(o, "param" if o.op == "param" else "input" if o.op == "input" else "output")
-               for o in graph.outputs]
+    outputs = [operand(o, "output") for o in graph.outputs]
     if scratch_nodes:  # the graph names every buffer the program holds (artifacts, dumps)
         graph = graph.with_nodes((*graph.nodes, *scratch_nodes), graph.outputs)
 
@@ -433,17 +433,17 @@ def _alias_update(s: Node, buffers: list[BufferInfo], index_of: dict[int, int], 
     x = s.inputs[0]
     if id(x) not in index_of or id(s) in index_of:
         raise AssertionError(f"scatter at {s.loc or '?'}: its operand has no buffer yet, or it has one already")
-    i = index_of[id(s)] = index_of[id(x)]
-    if buffers[i].kind == "temp" and id(s) in graph_outputs:
-        buffers[i] = dataclasses.replace(buffers[i], kind="output")
-    elif buffers[i].kind == "param":
+    if buffers[index_of[id(x)]].kind == "param":
         raise AssertionError(f"scatter at {s.loc or '?'} would overwrite a weight")
+    _share_buffer(s, x, buffers, index_of, graph_outputs)
 
 
-def _alias_wait(w: Node, buffers: list[BufferInfo], index_of: dict[int, int], graph_outputs: set[int]) -> None:
-    """A ``wait`` is its collective's result buffer; returned, that buffer becomes an output."""
-    i = index_of[id(w)] = index_of[id(w.inputs[0])]
-    if id(w) in graph_outputs:
+def _share_buffer(n: Node, source: Node, buffers: list[BufferInfo], index_of: dict[int, int],
+                  graph_outputs: set[int]) -> None:
+    """``n``'s value lives in ``source``'s buffer (a scatter's updated operand, a collective's result
+    its wait reads); a temporary that is thereby returned becomes an output buffer."""
+    i = index_of[id(n)] = index_of[id(source)]
+    if buffers[i].kind == "temp" and id(n) in graph_outputs:
         buffers[i] = dataclasses.replace(buffers[i], kind="output")
 
 

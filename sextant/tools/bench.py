@@ -126,9 +126,13 @@ def profile(runner: object, program: object, inputs: list[torch.Tensor], total_m
     return {"kinds": kinds, "kernels_ms": kernels, "overhead_ms": total_ms - kernels, "worst": worst}
 
 
-def rewrite_block(path: Path, begin: str, end: str, text: str) -> None:
-    """Replace what lies between the markers ``begin`` and ``end`` of the markdown file ``path``
-    (a benchmark's table in docs/benchmarks.md) by ``text``."""
+def publish(text: str, markdown: str | Path | None, begin: str, end: str) -> None:
+    """Print a benchmark's report and, given a markdown file, put it between that file's markers
+    ``begin`` and ``end`` (its block in docs/benchmarks.md)."""
+    print(text)
+    if not markdown:
+        return
+    path = Path(markdown)
     doc = path.read_text()
     if begin not in doc or end not in doc.split(begin, 1)[1]:
         raise SystemExit(f"{path} has no {begin} ... {end} block")

@@ -66,11 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="rewrite the cache-bench block of this file")
     ns = ap.parse_args(argv)
     text = table([t for t in ns.targets.split(",") if t])
-    print(text)
-    if ns.markdown:
-        from sextant.tools.bench import rewrite_block
+    from sextant.tools.bench import publish
 
-        rewrite_block(Path(ns.markdown), BEGIN, END, text)
+    publish(text, ns.markdown, BEGIN, END)
     return 0
 
 

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.child:
         print(json.dumps(run_rank(ns.child, ns.rank, ns.world, ns.store, ns.iters, ns.warmup)))
         return 0
-    from sextant.tools.bench import _machine, rewrite_block
+    from sextant.tools.bench import _machine, publish
 
     rows = []
     for path in ns.paths.split(","):
@@ -172,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         f"`parallelize_module`; ms per call: median of {ns.iters} after {ns.warmup} warm-up calls, slowest rank. "
         "train step: forward, backward and an SGD step (momentum 0.9) over the sharded parameters, the step "
         "compiled by the same backend.", "", to_markdown(rows)])
-    print(text)
-    if ns.markdown:
-        rewrite_block(Path(ns.markdown), BEGIN, END, text)
+    publish(text, ns.markdown, BEGIN, END)
     return 0
 
 

@@ -15,7 +15,6 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.export import Dim
@@ -119,11 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SEXTANT_CACHE"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     text = table(args.models.split(","))
-    print(text)
-    if args.markdown:
-        from sextant.tools.bench import rewrite_block
+    from sextant.tools.bench import publish
 
-        rewrite_block(Path(args.markdown), BEGIN, END, text)
+    publish(text, args.markdown, BEGIN, END)
     return 0
 
 

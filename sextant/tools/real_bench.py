@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.child:
         print(json.dumps(run_model(ns.child, ns.iters, not ns.no_inductor)))
         return 0
-    from sextant.tools.bench import _machine, rewrite_block
+    from sextant.tools.bench import _machine, publish
     from sextant.tools.fma_peak import measure
 
     rows = []
@@ -240,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                       "per-call overhead (microseconds) and, mostly, what cold caches cost inside a forward — "
                       "every weight streamed from memory once per call (ViT-B/16: 344 MB), which launches "
                       "repeated back to back do not pay.", "", to_markdown(rows)])
-    print(text)
-    if ns.markdown:
-        rewrite_block(Path(ns.markdown), BEGIN, END, text)
+    publish(text, ns.markdown, BEGIN, END)
     return 0
 
 

@@ -236,11 +236,9 @@ def main(argv: list[str] | None = None) -> int:
               "(forward, backward and optimizer step; the compiled paths compile the optimizer step with the "
               "same backend).", "", to_markdown(rows)]
     text = "\n".join(lines)
-    print(text)
-    if ns.markdown:
-        from sextant.tools.bench import rewrite_block
+    from sextant.tools.bench import publish
 
-        rewrite_block(Path(ns.markdown), BEGIN, END, text)
+    publish(text, ns.markdown, BEGIN, END)
     return 0
 
 
