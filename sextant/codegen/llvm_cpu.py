@@ -34,6 +34,7 @@ from llvmlite import ir
 
 from sextant.codegen import cpu_tensor_core as tc
 from sextant.codegen.counters import AccessCounter, CountInfo, CountingCpuModule
+from sextant.codegen.cpu_matrix import pair_dot
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.lane_builder import LaneBuilder
 from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
@@ -60,6 +61,7 @@ from sextant.codegen.simt import (
 )
 from sextant.gcpause import gc_paused
 from sextant.graph.dtypes import DType
+from sextant.host import host_vector_bytes
 from sextant.kernel.ir import (
     INDEX,
     Assign,
@@ -74,13 +76,13 @@ from sextant.kernel.ir import (
     Kernel,
     Load,
     Mma,
+    PairDot,
     Select,
     Special,
     Var,
 )
 from sextant.kernel.sizes import dim_expr
 from sextant.runtime.cpu import CpuModule, estimate_work
-from sextant.schedule.target import host_vector_bytes
 
 PTR = ir.PointerType()
 HEAP_BYTES = 64 * 1024  # arrays larger than this are malloc'd, not on the (thread's) stack ...
@@ -550,6 +552,8 @@ class _KernelLowering(LoweringBase):
         elif isinstance(s, CpAsyncCommit | CpAsyncWait):
             if self.checker is not None:
                 self.checker.async_group(s)
+        elif isinstance(s, PairDot):
+            pair_dot(self, s)
         else:
             raise self._fail(f"unexpected statement {type(s).__name__} inside a phase")
 

@@ -49,6 +49,7 @@ from sextant.kernel.ir import (
     Kernel,
     LdMatrix,
     Mma,
+    PairDot,
     Special,
     Stmt,
     Var,
@@ -374,6 +375,9 @@ class _Lowering(LoweringBase):
             tc.cp_async(self, s)
         elif isinstance(s, CpAsyncCommit | CpAsyncWait):
             tc.cp_async_group(self, s)
+        elif isinstance(s, PairDot):
+            raise self._fail("a pair dot is the CPU's bf16 instruction (AVX-512-BF16); GPU kernels multiply bf16 "
+                             "with mma.sync")
         else:
             raise self._fail(f"unknown statement {type(s).__name__}")
 

@@ -25,11 +25,13 @@ from sextant.kernel.ir import (
     LdMatrix,
     Load,
     Mma,
+    PairDot,
     Special,
     Stmt,
     Store,
     Var,
     WarpReduce,
+    stmt_operands,
 )
 from sextant.work import WorkCounter
 
@@ -132,6 +134,9 @@ class Divergence:
             elif isinstance(s, Store) and s.buffer in self.local:
                 self._feed(("m", s.buffer), ctrl, (s.index, s.value))
                 self._stored.add(s.buffer)
+            elif isinstance(s, PairDot):  # accumulates into its local buffer from its operands
+                self._feed(("m", s.acc), ctrl, stmt_operands(s))
+                self._stored.add(s.acc)
             elif isinstance(s, Mma | LdMatrix):  # each lane holds different elements
                 buf = s.d if isinstance(s, Mma) else s.dst
                 self._feed(("m", buf), ctrl, ())

@@ -33,6 +33,7 @@ from sextant.kernel.ir import (
     Kernel,
     LdMatrix,
     Mma,
+    PairDot,
     Special,
     Stmt,
     Store,
@@ -300,7 +301,7 @@ class Ranges:
                 ends.append(self.leave_branch(env, reachable))
             frame[2] = None
             return self.join(env, ends[0], ends[1])
-        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, *ASYNC_COPY)), s  # no register effect
+        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, PairDot, *ASYNC_COPY)), s  # no register effect
         return True
 
 

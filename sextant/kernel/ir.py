@@ -248,19 +248,47 @@ class CpAsyncWait:
     pending: int = 0
 
 
-Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit, CpAsyncWait]  # noqa: UP007
+# -- the CPU's bf16 dot-product instruction -----------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PairDot:
+    """``acc[acc_off + l] += a_hi · b[b_off + 2l + 1] + a_lo · b[b_off + 2l]`` for ``l < lanes``:
+    ``lanes`` f32 accumulators each take the dot product of one pair of bf16 values of A (the same
+    pair for every lane, a GEMM row's ``A[i, k]``, ``A[i, k+1]``) with its own pair of B (B laid
+    out in pairs of consecutive K, "VNNI" order). x86's AVX-512-BF16 ``vdpbf16ps`` does it in one
+    instruction (``codegen/cpu_matrix.py``); elsewhere it is vector f32 arithmetic with the same
+    rounding: the products are exact in f32, added to the accumulator high one first, each add
+    rounded. ``acc`` is an f32 ``local`` buffer, ``b`` a bf16 buffer, ``a_lo``/``a_hi`` bf16
+    values; a CPU statement (a one-thread block), which the GPU lowering refuses."""
+
+    acc: str
+    acc_off: Expr
+    a_lo: Expr
+    a_hi: Expr
+    b: str
+    b_off: Expr
+    lanes: int = 16
+
+
+PAIR_DOT_LANES = (4, 8, 16)  # 128-, 256- and 512-bit vectors of f32
+
+
+Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit,  # noqa: UP007
+             CpAsyncWait, PairDot]
 WARP_COLLECTIVE = (WarpReduce, Mma, LdMatrix)  # every lane of the warp executes these together
 ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
 
 
 def stmt_operands(s: Stmt) -> tuple[Expr, ...]:
-    """The expressions a tensor-core or async-copy statement evaluates (offsets, indices, predicate)."""
+    """The expressions a tensor-core, async-copy or pair-dot statement evaluates (offsets, indices,
+    predicate, values)."""
     if isinstance(s, Mma):
         return (s.d_off, s.a_off, s.b_off, s.c_off)
     if isinstance(s, LdMatrix):
         return (s.dst_off, s.index)
     if isinstance(s, CpAsync):
         return (s.dst_index, s.src_index) + ((s.pred,) if s.pred is not None else ())
+    if isinstance(s, PairDot):
+        return (s.acc_off, s.a_lo, s.a_hi, s.b_off)
     return ()
 
 
@@ -273,6 +301,8 @@ def map_operands(s: Stmt, fn: Callable[[Expr], Expr]) -> Stmt:
     if isinstance(s, CpAsync):
         return dataclasses.replace(s, dst_index=fn(s.dst_index), src_index=fn(s.src_index),
                                    pred=None if s.pred is None else fn(s.pred))
+    if isinstance(s, PairDot):
+        return dataclasses.replace(s, acc_off=fn(s.acc_off), a_lo=fn(s.a_lo), a_hi=fn(s.a_hi), b_off=fn(s.b_off))
     return s
 
 

@@ -39,6 +39,7 @@ from sextant.kernel.ir import (
     LdMatrix,
     Load,
     Mma,
+    PairDot,
     Select,
     Special,
     Stmt,
@@ -145,6 +146,9 @@ def stmt_header(s: Stmt) -> str:
     if isinstance(s, CpAsync):
         pred = f", {print_expr(s.pred)}" if s.pred is not None else ""
         return f"cp_async({_ref(s.dst, s.dst_index)}, {_ref(s.src, s.src_index)}, {s.count}{pred})"
+    if isinstance(s, PairDot):
+        return (f"pair_dot_x{s.lanes}({_ref(s.acc, s.acc_off)}, {print_expr(s.a_lo)}, {print_expr(s.a_hi)}, "
+                f"{_ref(s.b, s.b_off)})")
     if isinstance(s, CpAsyncCommit):
         return "cp_async_commit()"
     if isinstance(s, CpAsyncWait):

@@ -48,6 +48,7 @@ from sextant.kernel.ir import (
     LdMatrix,
     Load,
     Mma,
+    PairDot,
     Select,
     Stmt,
     Store,
@@ -483,7 +484,7 @@ def _stmt(s: Stmt, env: Env, ranges: Ranges) -> tuple[list[Stmt], bool]:
         new = dataclasses.replace(s, value=simp(s.value))
         ranges.step(new, env)
         return [new], True
-    if isinstance(s, (Barrier, Mma, LdMatrix, *ASYNC_COPY)):
+    if isinstance(s, (Barrier, Mma, LdMatrix, PairDot, *ASYNC_COPY)):
         return [map_operands(s, simp)], True
     if isinstance(s, For):
         loop = dataclasses.replace(s, start=simp(s.start), stop=simp(s.stop))

@@ -39,6 +39,7 @@ from sextant.kernel.fragments import mma_accumulators, mma_shape
 from sextant.kernel.intervals import int_range
 from sextant.kernel.ir import (
     INDEX,
+    PAIR_DOT_LANES,
     Assign,
     AtomicAdd,
     Barrier,
@@ -56,6 +57,7 @@ from sextant.kernel.ir import (
     LdMatrix,
     Load,
     Mma,
+    PairDot,
     Select,
     Special,
     Stmt,
@@ -237,6 +239,9 @@ class _Verifier:
         if isinstance(s, Mma | LdMatrix | CpAsync | CpAsyncCommit | CpAsyncWait):
             self.tensor_core(s, defined, control)
             return
+        if isinstance(s, PairDot):
+            self.pair_dot(s, defined)
+            return
         if isinstance(s, Barrier):
             for c in reversed(control):
                 if c.level > UNIFORM:
@@ -293,6 +298,29 @@ class _Verifier:
                 self.fail(s, f"warp reduction under control flow that differs within a warp: `{c.header}` "
                              f"{c.reason}; every lane of the warp must take part")
                 break
+
+    def pair_dot(self, s: PairDot, defined: set[str]) -> None:
+        """A :class:`PairDot`: an f32 local accumulator, a bf16 B, bf16 A values, a vector width
+        x86 has, and a one-thread block (the CPU's: the GPU lowering has no such instruction)."""
+        for e in stmt_operands(s):
+            self.expr(e, s, defined)
+        self.index(s.acc_off, s)
+        self.index(s.b_off, s)
+        if s.lanes not in PAIR_DOT_LANES:
+            self.fail(s, f"pair dot over {s.lanes!r} lanes (one of {PAIR_DOT_LANES})")
+        if self.k.threads_per_block != 1:
+            self.fail(s, f"a pair dot is a CPU statement (one thread per block), but the block has "
+                         f"{self.k.threads_per_block} threads")
+        acc, b = self.buffers.get(s.acc), self.buffers.get(s.b)
+        if acc is None or b is None:
+            self.fail(s, f"pair dot operand {s.acc if acc is None else s.b!r} is not a buffer of the kernel")
+            return
+        if acc.space != "local" or acc.dtype != DType.f32:
+            self.fail(s, f"pair dot accumulates into an f32 local buffer, not {acc.space} {acc.dtype.value} "
+                         f"{acc.name!r}")
+        if b.dtype != DType.bf16 or s.a_lo.dtype != DType.bf16 or s.a_hi.dtype != DType.bf16:
+            self.fail(s, f"pair dot multiplies bf16 values, not {s.a_lo.dtype.value}/{s.a_hi.dtype.value} by "
+                         f"{b.dtype.value} {b.name!r}")
 
     def tensor_core(self, s: Stmt, defined: set[str], control: tuple[_Control, ...]) -> None:
         """An ``Mma``, ``LdMatrix`` or ``cp.async`` statement: operand buffers, dtypes and shapes;
@@ -547,6 +575,9 @@ def _ranges_touched(s: Stmt, buffers: dict[str, Buffer]) -> Iterator[tuple[str, 
     elif isinstance(s, CpAsync):
         yield s.dst, s.dst_index, s.count, True, None
         yield s.src, s.src_index, s.count, False, s.pred
+    elif isinstance(s, PairDot):
+        yield s.acc, s.acc_off, s.lanes, True, None
+        yield s.b, s.b_off, 2 * s.lanes, False, None
 
 
 def _accesses(e: Expr) -> Iterator[tuple[str, Expr]]:

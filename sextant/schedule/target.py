@@ -6,10 +6,11 @@ fused group is mapped onto blocks, threads and loops.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from dataclasses import dataclass
+
+from sextant.host import host_pair_dot, host_vector_bytes
 
 
 @dataclass(frozen=True)
@@ -22,25 +23,21 @@ class TargetDesc:
     max_threads: int  # threads per block
     is_gpu: bool = False
     tf32: bool = False  # f32 matmuls may use tf32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    pair_dot: bool = False  # bf16 GEMMs on weights multiply pairs of K into f32 (kernel.ir.PairDot; AVX-512-BF16)
 
     @property
     def vector_width_f32(self) -> int:
         return self.vector_bytes // 4
 
 
-@functools.cache
-def host_vector_bytes() -> int:
-    """The widest vectors LLVM uses on this CPU at O3: 64 bytes with AVX-512, else 32 (AVX2)."""
-    import llvmlite.binding as llvm
-
-    return 64 if "+avx512f" in llvm.get_host_cpu_features().flatten().split(",") else 32
-
-
-def cpu_target(cores: int | None = None, vector_bytes: int | None = None) -> TargetDesc:
+def cpu_target(cores: int | None = None, vector_bytes: int | None = None, pair_dot: bool | None = None) -> TargetDesc:
     """This machine's CPU (the CPU target JIT-compiles for the host): one thread per block, blocks
-    spread over the cores, the host's vector width. Both can be pinned, e.g. for reproducible docs."""
+    spread over the cores, the host's vector width, its bf16 dot-product instruction. Each can be
+    pinned, e.g. for reproducible docs; a pinned ``pair_dot`` on a CPU without the instruction
+    still runs (``codegen/cpu_matrix.py`` computes the same sums lane by lane)."""
     return TargetDesc("cpu", cores=cores or os.cpu_count() or 1, warp=1, shared_bytes=1 << 20,
-                      vector_bytes=vector_bytes or host_vector_bytes(), max_threads=1)
+                      vector_bytes=vector_bytes or host_vector_bytes(), max_threads=1,
+                      pair_dot=host_pair_dot() if pair_dot is None else pair_dot)
 
 
 def sm90_target() -> TargetDesc:
