@@ -20,7 +20,22 @@ from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.symbolic import Dim, SymbolicShapeError, SymDim
-from sextant.kernel.ir import Assign, Binary, Buffer, Cast, Const, Expr, For, If, Kernel, Load, Select, Store, Var
+from sextant.kernel.ir import (
+    Assign,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    PairDot,
+    Select,
+    Store,
+    Var,
+)
 from sextant.kernel.sizes import with_grid
 from sextant.schedule.indexing import (
     Index,
@@ -62,6 +77,10 @@ class Gemm:
     pack: bool = False  # copy each strip of B into a local buffer on its first row tile
     n_store: int | None = None  # columns that exist (default n)
     k_block: int = 0  # walk K in blocks of this many (0: all of K at once); see gemm_kernel
+    # the pair-dot micro-kernel (schedule/cpu_pairs.py): (bidx, strip) -> B's buffer in pairs of K and
+    # the offset of the strip's first pair; None: both operands widened to acc_t and multiply-added
+    pairs: Callable[[Index, Expr], tuple[str, Expr]] | None = None
+    pair_lanes: int = 16  # f32 lanes of one PairDot (nr is a multiple)
 
 
 def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: Expr) -> Kernel:
@@ -80,6 +99,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     tile = Buffer("tile", acc_t, mr * nr, "local")
     packed = Buffer("bpack", acc_t, max(1, k * bn_), "local")
     kc = g.k_block if 0 < g.k_block < k else 0
+    steps = (k + 1) // 2 if g.pairs else k  # iterations of the k loop: pairs of K, or single K
+    kcs = kc // 2 if g.pairs else kc  # ... per K block
     part = Buffer("part", acc_t, bm_ * nr, "local")  # a strip's partial sums between K blocks
 
     def as_acc(v: Expr) -> Expr:
@@ -116,6 +137,24 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
         first = [iadd(i0, c(r)) if divisible(m, mr) or r == 0 else imin(iadd(i0, c(r)), c(m - 1))
                  for r in range(mr)]
         readers = g.rows(bidx, i0, mr) if divisible(m, mr) else _clamped_rows(g, bidx, first)
+        if g.pairs is not None:
+            pbuf, pstart = g.pairs(bidx, strip)
+            pstart = e.bind(pstart, "pb")
+
+        def pair_step(kp: Var) -> None:
+            """``mr`` rows of A, a pair of K each (zero past an odd K), times the strip's pairs."""
+            k0 = e.bind(imul(kp, 2), "k")
+            k1 = iadd(k0, c(1))
+            rows = []
+            for read in readers:
+                hi = read(k1) if k % 2 == 0 else Select(Binary("lt", k1, c(k), DType.bool), read(imin(k1, c(k - 1))),
+                                                         Const(0.0, DType.bf16), DType.bf16)
+                rows.append((e.bind(read(k0), "a"), e.bind(hi, "a")))
+            off = e.bind(iadd(pstart, imul(kp, 2 * nr)), "pk")
+            w = g.pair_lanes
+            for r, (lo, hi) in enumerate(rows):
+                for h in range(nr // w):
+                    e.emit(PairDot("acc", c(r * nr + h * w), lo, hi, pbuf, iadd(off, c(2 * w * h)), w))
 
         def kstep(kk: Var) -> None:
             avals = [e.bind(as_acc(read(kk)), "a") for read in readers]
@@ -135,10 +174,11 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
 
             loop(nr, col, "j", unroll=True)
 
+        step = kstep if g.pairs is None else pair_step
         if kb is None:
-            loop(k, kstep, "k")
+            loop(steps, step, "k")
         else:
-            loop(0, kstep, "k", start=kb, stop=imin(iadd(kb, c(kc)), c(k)))
+            loop(0, step, "k", start=kb, stop=imin(iadd(kb, c(kcs)), c(steps)))
 
         def finish() -> None:
             loop(mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
@@ -162,7 +202,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
             finish()
         with e.scope() as keep:
             loop(mr * nr, lambda u: e.emit(Store("part", iadd(slot0, u), Load("acc", u, acc_t))), "u", unroll=True)
-        e.emit(If(Binary("ge", iadd(kb, c(kc)), c(k), DType.bool), tuple(last), tuple(keep)))
+        e.emit(If(Binary("ge", iadd(kb, c(kcs)), c(steps), DType.bool), tuple(last), tuple(keep)))
 
     def edge(bidx: Index, i0: Expr, j0: Expr) -> None:
         def row(i: Var) -> None:
@@ -227,7 +267,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                 tiles = imin(c(bm_ // mr), idiv(iadd(c(m + mr - 1), imul(istart, -1)), mr))
                 loop(0, row_tile, "rt", stop=tiles)
 
-            loop(0, k_block, "kb", stop=c(k), step=kc)
+            loop(0, k_block, "kb", stop=c(steps), step=kcs)
 
         if n % bn_ == 0:
             loop(bn_ // nr, panel, "s")

@@ -37,6 +37,7 @@ from sextant.kernel.sizes import capacity
 from sextant.schedule.cpu_conv import conv_gemm_kernel, depthwise_kernel, is_depthwise
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.cpu_gemv import gemv_kernel, uses_gemv
+from sextant.schedule.cpu_pairs import pair_lanes, uses_pair_dot
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -444,10 +445,21 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
         store_epilogue(e, group, (*bidx, i, j))
         e.regs.pop(id(mm))
 
+    k_block = MATMUL_BLOCK_K if capacity(k) >= MATMUL_BLOCKED_K_FROM else 0
+    if uses_pair_dot(group, target):  # B laid out in pairs of K at compile time (cpu_pairs)
+        p = group.packed[id(b)]
+        strips = p.shape[-4]
+
+        def pairs(bidx: Index, strip: Expr) -> tuple[str, Expr]:
+            return e.buffers[id(p)], linearize((*bidx, strip, c(0), c(0), c(0)), p.shape)
+
+        spec = Gemm(tuple(batch), m, strips * nr, k, acc_t, rows, lambda *_: c(0), epilogue, mr, nr, MATMUL_BLOCK_M,
+                    MATMUL_BLOCK_N, n_store=n, k_block=k_block, pairs=pairs, pair_lanes=pair_lanes(target, nr))
+        return gemm_kernel(e, spec, name, params, BID)
     spec = Gemm(tuple(batch), m, n, k, acc_t, rows, lambda bidx, kk, j0, j, _: e.value(b, (*bidx, kk, iadd(j0, j))),
                 epilogue,
                 mr, nr, MATMUL_BLOCK_M_PACKED if pack else MATMUL_BLOCK_M, MATMUL_BLOCK_N, pack,
-                k_block=MATMUL_BLOCK_K if capacity(k) >= MATMUL_BLOCKED_K_FROM else 0)
+                k_block=k_block)
     return gemm_kernel(e, spec, name, params, BID)
 
 

@@ -1,4 +1,6 @@
-"""This CPU's measured fp32 FMA peak: what a GEMM's GFLOP/s are compared with.
+"""This CPU's measured fp32 FMA peak: what a GEMM's GFLOP/s are compared with; and, where the CPU
+has AVX-512-BF16, its bf16 pair-dot peak (``vdpbf16ps``: 2 multiply-adds per f32 lane), what a
+bf16 GEMM's are compared with.
 
 A loop of independent fused multiply-adds on the widest vectors LLVM targets here (16 chains, more
 than any core's FMA latency × throughput, so the units never wait), JIT-compiled through llvmlite
@@ -27,18 +29,25 @@ class Peak:
     one_core: float  # GFLOP/s
     all_cores: float  # GFLOP/s, every core at once
     cores: int
+    kind: str = "fma"  # "fma": fp32 FMA; "bf16 dot": vdpbf16ps
 
     def __str__(self) -> str:
-        return (f"fp32 FMA peak (measured): {self.one_core:.0f} GFLOP/s on one core, {self.all_cores:.0f} on "
+        what = "fp32 FMA" if self.kind == "fma" else "bf16 pair-dot (vdpbf16ps)"
+        return (f"{what} peak (measured): {self.one_core:.0f} GFLOP/s on one core, {self.all_cores:.0f} on "
                 f"{self.cores} cores ({self.lanes}-lane vectors)")
 
 
-def _ir(lanes: int) -> str:
+def _ir(lanes: int, kind: str = "fma") -> str:
     vec = f"<{lanes} x float>"
     init = f"<{', '.join(['float 1.0'] * lanes)}>"
     phis = "\n".join(f"  %a{c} = phi {vec} [ {init}, %entry ], [ %b{c}, %loop ]" for c in range(CHAINS))
-    fmas = "\n".join(f"  %b{c} = call {vec} @llvm.fma.v{lanes}f32({vec} %a{c}, {vec} %x, {vec} %y)"
-                     for c in range(CHAINS))
+    if kind == "fma":
+        decl, op, arg = f"{vec} @llvm.fma.v{lanes}f32({vec}, {vec}, {vec})", f"@llvm.fma.v{lanes}f32", vec
+    else:  # the same registers read as 2·lanes bf16 values
+        arg = f"<{2 * lanes} x bfloat>"
+        op = f"@llvm.x86.avx512bf16.dpbf16ps.{32 * lanes}"
+        decl = f"{vec} {op}({vec}, {arg}, {arg})"
+    fmas = "\n".join(f"  %b{c} = call {vec} {op}({vec} %a{c}, {arg} %x, {arg} %y)" for c in range(CHAINS))
     sums = [f"%b{c}" for c in range(CHAINS)]
     adds = []
     while len(sums) > 1:
@@ -46,13 +55,13 @@ def _ir(lanes: int) -> str:
         adds.append(f"  %s{k} = fadd {vec} {sums[0]}, {sums[1]}")
         sums = sums[2:] + [f"%s{k}"]
     return f"""
-declare {vec} @llvm.fma.v{lanes}f32({vec}, {vec}, {vec})
+declare {decl}
 
 define void @fma_loop(i64 %n, ptr %io) {{
 entry:
-  %x = load {vec}, ptr %io, align 4
+  %x = load {arg}, ptr %io, align 4
   %py = getelementptr {vec}, ptr %io, i64 1
-  %y = load {vec}, ptr %py, align 4
+  %y = load {arg}, ptr %py, align 4
   br label %loop
 loop:
   %i = phi i64 [ 0, %entry ], [ %i1, %loop ]
@@ -70,15 +79,15 @@ done:
 
 
 @cache
-def _kernel() -> tuple[object, object, int]:
+def _kernel(kind: str = "fma") -> tuple[object, object, int]:
     import llvmlite.binding as llvm
 
     from sextant.codegen.llvm_cpu import host_target_machine
-    from sextant.schedule.target import host_vector_bytes
+    from sextant.host import host_vector_bytes
 
     lanes = host_vector_bytes() // 4
     tm = host_target_machine()
-    mod = llvm.parse_assembly(_ir(lanes))
+    mod = llvm.parse_assembly(_ir(lanes, kind))
     mod.verify()
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
@@ -86,9 +95,9 @@ def _kernel() -> tuple[object, object, int]:
     return engine, fn, lanes
 
 
-def _run(threads: int, iters: int) -> float:
+def _run(threads: int, iters: int, kind: str) -> float:
     """Seconds for ``threads`` threads to run ``iters`` loop trips each, at once."""
-    _, fn, lanes = _kernel()
+    _, fn, lanes = _kernel(kind)
     bufs = [(ctypes.c_float * (2 * lanes))(*([1.0000001] * lanes + [1e-9] * lanes)) for _ in range(threads)]
     start = threading.Barrier(threads + 1)
 
@@ -107,20 +116,25 @@ def _run(threads: int, iters: int) -> float:
 
 
 @cache
-def measure(cores: int | None = None, seconds: float = 0.3) -> Peak:
-    """The best of five timed runs on one core and on ``cores`` (default: all) at once."""
-    _, _, lanes = _kernel()
+def measure(cores: int | None = None, seconds: float = 0.3, kind: str = "fma") -> Peak:
+    """The best of five timed runs on one core and on ``cores`` (default: all) at once. ``kind``
+    "bf16 dot" needs AVX-512-BF16 (:func:`sextant.host.host_pair_dot`)."""
+    _, _, lanes = _kernel(kind)
     cores = cores or os.cpu_count() or 1
-    flops_per_trip = 2 * CHAINS * lanes
+    flops_per_trip = (2 if kind == "fma" else 4) * CHAINS * lanes
     trial = 200_000
-    per_trip = _run(1, trial) / trial
+    per_trip = _run(1, trial, kind) / trial
     iters = max(trial, int(seconds / per_trip))
 
     def best(threads: int) -> float:
-        return max(threads * iters * flops_per_trip / _run(threads, iters) for _ in range(5)) / 1e9
+        return max(threads * iters * flops_per_trip / _run(threads, iters, kind) for _ in range(5)) / 1e9
 
-    return Peak(lanes, best(1), best(cores), cores)
+    return Peak(lanes, best(1), best(cores), cores, kind)
 
 
 if __name__ == "__main__":
+    from sextant.host import host_pair_dot
+
     print(measure())
+    if host_pair_dot():
+        print(measure(kind="bf16 dot"))

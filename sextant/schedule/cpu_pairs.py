@@ -1,0 +1,94 @@
+"""bf16 GEMMs on the CPU's dot-product instruction: weights in pairs of K, ``PairDot`` micro-kernels.
+
+A bf16 matmul otherwise widens both operands to f32 and runs the f32 micro-kernel: 16 FMAs per
+vector instruction at best. AVX-512-BF16's ``vdpbf16ps`` multiplies *pairs* of bf16 values and
+adds both products into one f32 lane — 32 multiply-adds per instruction on half the bytes. It
+wants B with each pair of consecutive K rows interleaved ("VNNI" order), so a weight is laid out
+once, at compile time, as ``[*batch, strips, K/2, nr, 2]``: ``nr`` columns per strip (the
+micro-tile's), each strip contiguous over K as the f32 GEMM's packed weights are, K and N
+zero-padded to whole pairs and strips. The micro-kernel (``cpu_gemm.gemm_kernel`` with
+``Gemm.pairs``) then reads A's ``A[i, 2p]``, ``A[i, 2p+1]`` as one 32-bit broadcast per row and
+each strip's ``2·nr`` values per pair as ``nr/lanes`` vector loads.
+
+Taken when the target has the instruction (``TargetDesc.pair_dot``), both operands are bf16 and
+B is a weight (a param, or a movement of one) with static sizes. Not (yet) for products of two
+activations (attention's ``Q·Kᵀ``, ``P·V``), where B would need laying out per call, nor for
+convolutions' implicit GEMMs: those keep the widening path.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sextant.graph.builder import GraphBuilder
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Graph, Node
+from sextant.schedule.cpu_gemv import uses_gemv
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+
+
+def _weight(n: Node) -> bool:
+    """A param, or a movement chain over one, of a size known at compile time."""
+    x = n
+    while x.op in ("reshape", "permute", "expand", "slice", "pad"):
+        x = x.inputs[0]
+    return x.op == "param" and isinstance(n.type.numel, int)
+
+
+def uses_pair_dot(group: Group, target: TargetDesc) -> bool:
+    """Whether the CPU maps this matmul group on the pair dot product (see the module docstring)."""
+    if target.is_gpu or not target.pair_dot or group.kind != "matmul" or uses_gemv(group, target):
+        return False
+    a, b = group.anchor.inputs
+    k, n = b.shape[-2], b.shape[-1]
+    return (a.dtype == b.dtype == DType.bf16 and isinstance(k, int) and isinstance(n, int) and k >= 2
+            and _weight(b))
+
+
+def pair_lanes(target: TargetDesc, nr: int) -> int:
+    """f32 lanes of one pair dot: a whole vector register, or the micro-tile's columns if fewer."""
+    return min(target.vector_bytes // 4, nr)
+
+
+def pair_weight(b: Node, nr: int) -> Node:
+    """``b`` (``[*batch, K, N]``) as ``[*batch, N/nr, K/2, nr, 2]``, padded with zeros to even K and
+    whole strips of ``nr`` columns: the layout the pair-dot micro-kernel streams."""
+    *batch, k, n = b.shape
+    nb = len(batch)
+    g = GraphBuilder()
+    g.loc = b.loc
+    k2, n2 = k + k % 2, math.ceil(n / nr) * nr
+    t = g.pad(b, (0,) * (nb + 2), (0,) * nb + (k2 - k, n2 - n)) if (k2, n2) != (k, n) else b
+    t = g.reshape(t, (*batch, k2 // 2, 2, n2 // nr, nr))
+    return g.permute(t, (*range(nb), nb + 2, nb, nb + 3, nb + 1))
+
+
+def pair_columns(group: Group, target: TargetDesc) -> int:
+    """The micro-tile's columns (``nr``): the f32 GEMM's, so a strip is two vector registers wide."""
+    from sextant.schedule.kernels import micro_tile, narrow_columns
+
+    return narrow_columns(group.anchor.inputs[1].shape[-1], micro_tile(target)[1])
+
+
+def layout_pair_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
+    """Give every pair-dot matmul its weight in pairs (``Group.packed``); returns the graph with the
+    layout nodes appended (the program's graph names every buffer it holds) and the nodes to be
+    evaluated into constants."""
+    extra: list[Node] = []
+    packed: list[Node] = []
+    for g in groups:
+        if not uses_pair_dot(g, target):
+            continue
+        b = g.anchor.inputs[1]
+        p = pair_weight(b, pair_columns(g, target))
+        chain, x = [], p
+        while x is not b:
+            chain.append(x)
+            x = x.inputs[0]
+        extra += reversed(chain)
+        g.packed[id(b)] = p
+        packed.append(p)
+    if not extra:
+        return graph, []
+    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed
