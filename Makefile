@@ -59,3 +59,4 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.train_bench --markdown docs/benchmarks.md
 	$(BIN)/python -m sextant.tools.dist_bench --markdown docs/benchmarks.md
 	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.bench --real-size
+	HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -m sextant.tools.bench --real-size-bf16

@@ -151,9 +151,12 @@ def _machine() -> str:
         pass
     import llvmlite.binding as llvm
 
-    from sextant.schedule.target import host_vector_bytes
+    from sextant.host import host_cpu_features, host_pair_dot, host_vector_bytes
 
     isa = "AVX-512" if host_vector_bytes() == 64 else "AVX2"
+    if host_pair_dot():
+        isa += ", AVX-512-BF16"
+    isa += ", AMX" if "amx-bf16" in host_cpu_features() else ", no AMX"
     return (f"{cpu} ({llvm.get_host_cpu_name()}, {isa}), {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"torch {torch.__version__}, {torch.get_num_threads()} torch threads")
 
@@ -233,11 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-size", action="store_true", help="the deployment-size set instead "
                     "(tools/real_bench.py: ResNet-50, BERT-base, ViT-B/16, GPT-2 small, MobileNet-V2, per-kernel "
                     "efficiency), into its block of --out")
+    ap.add_argument("--real-size-bf16", action="store_true", help="the transformers of the deployment-size set "
+                    "in bf16 (sextant's GEMMs on AVX-512-BF16 where the CPU has it), into their block of --out")
     ns = ap.parse_args(argv)
     if ns.real_size:
         from sextant.tools import real_bench
 
         return real_bench.main(["--markdown", ns.out] + (["--no-inductor"] if ns.no_inductor else []))
+    if ns.real_size_bf16:
+        from sextant.tools import real_bench
+
+        return real_bench.main(["--markdown", ns.out, "--dtype", "bf16", "--models", "bert-base,vit-b16,gpt2-small"]
+                               + (["--no-inductor"] if ns.no_inductor else []))
     if not ns.keep_cache:
         os.environ["SEXTANT_CACHE_DIR"] = tempfile.mkdtemp(prefix="sextant-bench-cache-")
     rows = []

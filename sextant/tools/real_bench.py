@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 BEGIN, END = "<!-- real-bench:begin -->", "<!-- real-bench:end -->"
+MARKERS = {"fp32": (BEGIN, END), "bf16": ("<!-- real-bench-bf16:begin -->", "<!-- real-bench-bf16:end -->")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class _Logits(nn.Module):
@@ -48,7 +50,12 @@ class _Logits(nn.Module):
         return getattr(self.model(x), self.field)
 
 
-def _build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def _build(name: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model, args = _build_f32(name)
+    return model.to(dtype), tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+
+
+def _build_f32(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     import transformers as tf
 
     torch.manual_seed(0)
@@ -110,16 +117,16 @@ def _describe(key: tuple) -> str:
     return f"attention → {dims(key[1])}"
 
 
-def _mkl_gflops(batch: int, m: int, n: int, k: int, iters: int = 10) -> float:
-    a, b = torch.randn(batch, m, k), torch.randn(batch, k, n)
+def _mkl_gflops(batch: int, m: int, n: int, k: int, iters: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(batch, m, k, dtype=dtype), torch.randn(batch, k, n, dtype=dtype)
     ms = _median_ms(lambda: torch.matmul(a, b), iters)
     return 2 * batch * m * n * k / (ms * 1e-3) / 1e9
 
 
-def run_model(name: str, iters: int, inductor: bool) -> dict[str, Any]:
+def run_model(name: str, iters: int, inductor: bool, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     import sextant
     from sextant.report.cost import program_costs
-    model, args = _build(name)
+    model, args = _build(name, dtype)
     row: dict[str, Any] = {"model": name}
     with torch.no_grad():
         want = model(*args)
@@ -128,7 +135,7 @@ def run_model(name: str, iters: int, inductor: bool) -> dict[str, Any]:
         compiled = sextant.compile(model, args, target="cpu", cache=False)
         row["sextant_compile_s"] = time.perf_counter() - t0
         got = compiled(*args)
-        row["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        row["rel_err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         row["sextant_ms"] = _median_ms(lambda: compiled(*args), iters)
         if inductor:
             opt = torch.compile(model)
@@ -165,12 +172,13 @@ def run_model(name: str, iters: int, inductor: bool) -> dict[str, Any]:
     row["contraction_ms"], row["contraction_gflops"] = cms, cflops / (cms * 1e-3) / 1e9 if cms else 0.0
     top = sorted(shapes.items(), key=lambda kv: -kv[1][0])[:4]
     row["gemms"] = [{"what": _describe(sh), "ms": v[0], "launches": v[2], "gflops": v[1] / (v[0] * 1e-3) / 1e9,
-                     "mkl_gflops": _mkl_gflops(*sh[1:]) if sh[0] == "matmul" else None} for sh, v in top]
+                     "mkl_gflops": _mkl_gflops(*sh[1:], dtype=dtype) if sh[0] == "matmul" else None} for sh, v in top]
     return row
 
 
 def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "sextant.tools.real_bench", "--child", name, "--iters", str(ns.iters)]
+    cmd = [sys.executable, "-m", "sextant.tools.real_bench", "--child", name, "--iters", str(ns.iters),
+           "--dtype", ns.dtype]
     if ns.no_inductor:
         cmd.append("--no-inductor")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -216,28 +224,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="bf16: the models in bf16 (eager's GEMMs then oneDNN's bf16 kernels)")
     p.add_argument("--markdown", help="rewrite the real-bench block of this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.child:
-        print(json.dumps(run_model(ns.child, ns.iters, not ns.no_inductor)))
+        print(json.dumps(run_model(ns.child, ns.iters, not ns.no_inductor, DTYPES[ns.dtype])))
         return 0
+    from sextant.host import host_pair_dot
     from sextant.tools.bench import _machine, publish
     from sextant.tools.fma_peak import measure
 
-    peak = measure()  # once, before the models, on an idle machine
+    bf16 = ns.dtype == "bf16"
+    # once, before the models, on an idle machine: the peak of the instruction the GEMMs use
+    peak = measure(kind="bf16 dot") if bf16 and host_pair_dot() else measure()
     rows = []
     for name in ns.models.split(","):
         print(f"real bench: {name} ...", file=sys.stderr, flush=True)
         rows.append(_child(name, ns))
     text = "\n".join([f"Machine: {_machine()}; {peak}.", "",
-                      f"fp32, batch 1; ms: median of {ns.iters} calls after a warm-up. Shares and GFLOP/s come "
+                      f"{ns.dtype}, batch 1; ms: median of {ns.iters} calls after a warm-up. Shares and GFLOP/s come "
                       "from sextant's per-launch profile (each launch's plan row run back to back inside the "
                       "native executor, so with warm caches); *outside the profile* is the rest of a call: the "
                       "per-call overhead (microseconds) and, mostly, what cold caches cost inside a forward — "
                       "every weight streamed from memory once per call (ViT-B/16: 344 MB), which launches "
                       "repeated back to back do not pay.", "", to_markdown(rows, peak.all_cores)])
-    publish(text, ns.markdown, BEGIN, END)
+    if bf16:
+        text = text.replace("torch's `a @ b` — MKL —", "torch's bf16 `a @ b` — oneDNN —")
+    publish(text, ns.markdown, *MARKERS[ns.dtype])
     return 0
 
 

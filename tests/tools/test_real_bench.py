@@ -3,6 +3,10 @@ measured FMA peak, the per-launch profile summed by kind, contraction shapes wit
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from sextant.host import host_pair_dot
 from sextant.tools import real_bench
 from sextant.tools.fma_peak import measure
 
@@ -23,3 +27,15 @@ def test_profile_of_a_small_resnet():
     assert all(g["mkl_gflops"] > 0 for g in matmuls)
     table = real_bench.to_markdown([row], peak_gflops=500.0)
     assert "| tiny |" in table and "conv →" in table
+
+
+@pytest.mark.skipif(not host_pair_dot(), reason="this CPU has no AVX-512-BF16 (vdpbf16ps)")
+def test_pair_dot_peak_is_measured():
+    peak = measure(seconds=0.05, kind="bf16 dot")
+    assert peak.one_core > 1 and "vdpbf16ps" in str(peak)
+
+
+def test_profile_of_a_small_resnet_in_bf16():
+    row = real_bench.run_model("tiny", iters=1, inductor=False, dtype=torch.bfloat16)
+    assert row["rel_err"] < 3e-2
+    assert row["gemms"] and all(g["gflops"] > 0 for g in row["gemms"])
