@@ -35,8 +35,8 @@ from sextant.schedule.target import cpu_target
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # the CPU the docs' schedules are shown for, fixed so the docs do not depend on the machine
-# that regenerates them: 2 cores with AVX2 (the CPU target otherwise detects the host's)
-DOCS_CPU = cpu_target(cores=2, vector_bytes=32)
+# that regenerates them: 2 cores with AVX2, no bf16 dot product (the CPU target otherwise detects the host's)
+DOCS_CPU = cpu_target(cores=2, vector_bytes=32, pair_dot=False)
 _BLOCK = re.compile(r"(<!-- sextant:begin (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- sextant:end -->)", re.S)
 
 
@@ -831,7 +831,25 @@ def snippet_dist_schedule() -> str:
     return _relative(_parallel_block().stages["program"].describe())
 
 
+def snippet_bf16_pair_kernel() -> str:
+    """A bf16 Linear (40 rows, 64 → 48) on a CPU with AVX-512-BF16 (pinned: 16-lane vectors): the
+    micro-kernel's loop over pairs of K, one pair dot per row and vector of the strip."""
+    from sextant.kernel.printer import print_kernel
+    from sextant.schedule.program import schedule
+
+    torch.manual_seed(0)
+    model, x = nn.Linear(64, 48).bfloat16().eval(), torch.randn(40, 64).bfloat16()
+    program = schedule(run_pipeline(sextant.capture(model, (x,))), cpu_target(cores=2, vector_bytes=64, pair_dot=True))
+    lines = print_kernel(next(k for n, k in program.kernels.items() if n.startswith("matmul"))).splitlines()
+    start = next(i for i, ln in enumerate(lines) if "for (k" in ln)
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() == "}" and
+               len(lines[i]) - len(lines[i].lstrip()) == len(lines[start]) - len(lines[start].lstrip()))
+    head = [ln for ln in lines[:start] if "kernel " in ln or "in bf16" in ln or "local" in ln]
+    return "\n".join(head + ["  ..."] + lines[start:start + 9] + ["        ..."] + lines[end - 4:end + 1])
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "bf16-pair-kernel": snippet_bf16_pair_kernel,
     "train-stats": snippet_train_stats,
     "train-forward-return": snippet_train_forward_return,
     "train-backward-graph": snippet_train_backward_graph,

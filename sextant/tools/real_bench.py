@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                       "every weight streamed from memory once per call (ViT-B/16: 344 MB), which launches "
                       "repeated back to back do not pay.", "", to_markdown(rows, peak.all_cores)])
     if bf16:
-        text = text.replace("torch's `a @ b` — MKL —", "torch's bf16 `a @ b` — oneDNN —")
+        text = text.replace("torch's `a @ b` — MKL —", "torch's bf16 `a @ b` — oneDNN —").replace(
+            "| MKL GFLOP/s | sextant / MKL |", "| oneDNN GFLOP/s | sextant / oneDNN |")
     publish(text, ns.markdown, *MARKERS[ns.dtype])
     return 0
 
