@@ -669,7 +669,8 @@ def snippet_train_backward_graph() -> str:
 def snippet_train_backward_schedule() -> str:
     from sextant.schedule.program import schedule
 
-    return schedule(run_pipeline(_training_record("backward").compiled.stages["captured"]), DOCS_CPU).describe()
+    compiled = _training_record("backward").compiled  # from the compile cache it has no captured stage
+    return schedule(run_pipeline(compiled.stages.get("captured", compiled.graph)), DOCS_CPU).describe()
 
 
 def snippet_train_optimizer_step() -> str:
