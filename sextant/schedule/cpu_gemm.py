@@ -81,6 +81,9 @@ class Gemm:
     # the offset of the strip's first pair; None: both operands widened to acc_t and multiply-added
     pairs: Callable[[Index, Expr], tuple[str, Expr]] | None = None
     pair_lanes: int = 16  # f32 lanes of one PairDot (nr is a multiple)
+    # k steps per trip of the k loop, unrolled (k = trip·k_unroll + t with t a constant): a
+    # convolution's taps, whose input offsets are then constants added to the channel's
+    k_unroll: int = 1
 
 
 def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: Expr) -> Kernel:
@@ -101,6 +104,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     kc = g.k_block if 0 < g.k_block < k else 0
     steps = (k + 1) // 2 if g.pairs else k  # iterations of the k loop: pairs of K, or single K
     kcs = kc // 2 if g.pairs else kc  # ... per K block
+    if g.k_unroll > 1 and (kc or g.pairs or steps % g.k_unroll):
+        raise ValueError(f"k_unroll {g.k_unroll} needs single K steps, unblocked, dividing K = {k}")
     part = Buffer("part", acc_t, bm_ * nr, "local")  # a strip's partial sums between K blocks
 
     def as_acc(v: Expr) -> Expr:
@@ -175,7 +180,10 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
             loop(nr, col, "j", unroll=True)
 
         step = kstep if g.pairs is None else pair_step
-        if kb is None:
+        if kb is None and g.k_unroll > 1:
+            u = g.k_unroll
+            loop(steps // u, lambda ko: [step(iadd(imul(ko, u), c(t))) for t in range(u)], "k")
+        elif kb is None:
             loop(steps, step, "k")
         else:
             loop(0, step, "k", start=kb, stop=imin(iadd(kb, c(kcs)), c(steps)))

@@ -455,7 +455,9 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
 
         spec = Gemm(tuple(batch), m, strips * nr, k, acc_t, rows, lambda *_: c(0), epilogue, mr, nr, MATMUL_BLOCK_M,
                     MATMUL_BLOCK_N, n_store=n, k_block=k_block, pairs=pairs, pair_lanes=pair_lanes(target, nr))
-        return gemm_kernel(e, spec, name, params, BID)
+        kernel = gemm_kernel(e, spec, name, params, BID)
+        kernel.meta.update(mapping="cpu-pair-dot", weight="[" + ", ".join(map(str, p.shape)) + "] in pairs of K")
+        return kernel
     spec = Gemm(tuple(batch), m, n, k, acc_t, rows, lambda bidx, kk, j0, j, _: e.value(b, (*bidx, kk, iadd(j0, j))),
                 epilogue,
                 mr, nr, MATMUL_BLOCK_M_PACKED if pack else MATMUL_BLOCK_M, MATMUL_BLOCK_N, pack,
