@@ -27,11 +27,11 @@ from sextant.kernel.ir import Kernel, Size
 from sextant.kernel.sizes import check_binding, launch_blocks, with_sizes
 from sextant.schedule import memory
 from sextant.schedule.attention import attention_kernel, attention_refusal
-from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights
+from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights, pointwise_as_matmul
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import layout_pair_weights, uses_pair_dot
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
-from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers
+from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers, micro_tile
 from sextant.schedule.overlap import overlap_collectives
 from sextant.schedule.partition import Group, partition
 from sextant.schedule.scatter import scatter_kernel
@@ -326,7 +326,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     graph = in_place_updates(graph)  # every scatter then owns its operand's buffer (idempotent)
     split_notes: list[str] = []
     if not target.is_gpu:
-        graph = explicit_padding(graph)
+        graph = explicit_padding(pointwise_as_matmul(graph, micro_tile(target)[1]))
     else:
         graph, split_notes = split_k(graph, target)
     groups = partition(graph, work, store_conv_inputs=not target.is_gpu, contiguous_rhs=not target.is_gpu,

@@ -169,7 +169,8 @@ def test_a_computed_input_is_stored_once_not_recomputed_per_read() -> None:
     model, x, y = Head().eval(), torch.randn(2, 8, 4, 4), torch.randn(2, 8, 8, 8)
     compiled = sextant.compile(model, (x, y), target="cpu")
     program = compiled.stages["program"]
-    assert [program.groups[launch.group].kind for launch in program.launches] == ["elementwise", "conv"]
+    # the 1×1 conv over 8×8 positions (whole strips) is the matmul W @ x (pointwise_as_matmul)
+    assert [program.groups[launch.group].kind for launch in program.launches] == ["elementwise", "matmul"]
     x2, y2 = torch.randn_like(x), torch.randn_like(y)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x2, y2), model(x2, y2), atol=1e-5, rtol=1e-4)
@@ -185,3 +186,31 @@ def test_short_rows_take_the_plane_mapping(vector_bytes: int) -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         (k,) = [program.kernels[la.kernel] for la in program.launches if program.groups[la.group].kind == "conv"]
         assert [b.name for b in k.local] == [local]
+
+
+@pytest.mark.parametrize("vector_bytes", [32, 64])
+@pytest.mark.parametrize("shape, as_matmul", [((2, 24, 8, 8), True), ((1, 24, 7, 7), False)])
+def test_pointwise_conv_is_a_matmul_over_whole_strips(shape, as_matmul, vector_bytes) -> None:
+    """A 1×1 conv (stride 1, no padding) is ``W @ x`` with the positions as the vector columns when
+    they fill whole strips (64 of them: 2 or 4 strips); 49 positions keep the implicit GEMM."""
+
+    class Pointwise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(24, 40, 1), nn.BatchNorm2d(40)
+
+        def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x))) + r
+
+    torch.manual_seed(0)
+    model = Pointwise().eval()
+    model.bn.running_mean.normal_()
+    x, r = torch.randn(shape), torch.randn(shape[0], 40, *shape[2:])
+    graph = run_pipeline(sextant.capture(model, (x, r)))
+    program = schedule(graph, cpu_target(cores=2, vector_bytes=vector_bytes, pair_dot=False))
+    kinds = [program.groups[launch.group].kind for launch in program.launches]
+    assert kinds == (["matmul"] if as_matmul else ["conv"])  # bias, BN, ReLU and residual in its epilogue
+    module = compile_kernels(list(program.kernels.values()))
+    got = ProgramRunner(program, module.launch)([x, r])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x, r), atol=1e-5, rtol=1e-4)
