@@ -94,8 +94,11 @@ def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_input
     as in a training graph, ``dYᵀ`` or the concat of ``dQ, dK, dV`` in a backward — is stored in its
     own layout first
     (:func:`strided_rows`): the CPU GEMM reads ``nr`` consecutive columns of B per step, which
-    through a transpose are ``nr`` gathers ``K`` elements apart. A weight's is prepacked at compile
-    time instead (``program.prepack_weights``).
+    through a transpose are ``nr`` gathers ``K`` elements apart. Below any reshapes on top: a
+    reshape of a stored value reads it contiguously, and the value's own shape is the one its
+    kernel computes best (a 1×1 convolution's concat of upsampled maps, written flattened to
+    ``[N, C, positions]``, lost the row structure of its bilinear indexing: 15× slower). A
+    weight's is prepacked at compile time instead (``program.prepack_weights``).
 
     ``fuse_attention``: each ``softmax(f(Q·Kᵀ))·V`` chain (``attention_match``) is one
     ``attention`` group, its score and probability matrices never stored — unless
@@ -162,6 +165,8 @@ class _Fusion:
                         continue
                     if self.contiguous_rhs and n.op == "matmul" and operand is n.inputs[1] \
                             and id(n) not in group_of and strided_rows(operand):  # (attention reads K, V itself)
+                        while operand.op == "reshape" and strided_rows(operand.inputs[0]):
+                            operand = operand.inputs[0]  # stored in its own shape: a reshape of it is contiguous
                         stored.add(id(operand))
                         continue
                     while operand.op in MOVEMENT and operand.op != "gather":  # re-indexing is free: store below it
