@@ -59,10 +59,7 @@ def pair_dot(low: _KernelLowering, s: PairDot) -> None:
 def _native(low: _KernelLowering, s: PairDot) -> None:
     b, n = low.b, s.lanes
     acc_t, pair_t = ir.VectorType(F32, n), ir.VectorType(_BFloat(), 2 * n)
-    name = f"llvm.x86.avx512bf16.dpbf16ps.{32 * n}"
-    fn = low.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(low.module, ir.FunctionType(acc_t, [acc_t, pair_t, pair_t]), name)
+    fn = low.math.declare(f"llvm.x86.avx512bf16.dpbf16ps.{32 * n}", acc_t, [acc_t, pair_t, pair_t])
     _, acc_ptr = low._elem_ptr(s.acc, low._value(s.acc_off))
     _, b_ptr = low._elem_ptr(s.b, low._value(s.b_off))
     lo, hi = low._value(s.a_lo), low._value(s.a_hi)

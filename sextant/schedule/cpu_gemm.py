@@ -146,7 +146,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
             pbuf, pstart = g.pairs(bidx, strip)
             pstart = e.bind(pstart, "pb")
 
-        def pair_step(kp: Var) -> None:
+        def pair_step(kp: Expr) -> None:
             """``mr`` rows of A, a pair of K each (zero past an odd K), times the strip's pairs."""
             k0 = e.bind(imul(kp, 2), "k")
             k1 = iadd(k0, c(1))
@@ -161,7 +161,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                 for h in range(nr // w):
                     e.emit(PairDot("acc", c(r * nr + h * w), lo, hi, pbuf, iadd(off, c(2 * w * h)), w))
 
-        def kstep(kk: Var) -> None:
+        def kstep(kk: Expr) -> None:
             avals = [e.bind(as_acc(read(kk)), "a") for read in readers]
             row = e.bind(iadd(base, imul(kk, nr)), "pk")
 
@@ -182,7 +182,12 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
         step = kstep if g.pairs is None else pair_step
         if kb is None and g.k_unroll > 1:
             u = g.k_unroll
-            loop(steps // u, lambda ko: [step(iadd(imul(ko, u), c(t))) for t in range(u)], "k")
+
+            def unrolled(ko: Var) -> None:
+                for t in range(u):
+                    step(iadd(imul(ko, u), c(t)))
+
+            loop(steps // u, unrolled, "k")
         elif kb is None:
             loop(steps, step, "k")
         else:

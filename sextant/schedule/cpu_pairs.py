@@ -24,16 +24,8 @@ from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node
 from sextant.schedule.cpu_gemv import uses_gemv
-from sextant.schedule.partition import Group
+from sextant.schedule.partition import Group, movement_of_param
 from sextant.schedule.target import TargetDesc
-
-
-def _weight(n: Node) -> bool:
-    """A param, or a movement chain over one, of a size known at compile time."""
-    x = n
-    while x.op in ("reshape", "permute", "expand", "slice", "pad"):
-        x = x.inputs[0]
-    return x.op == "param" and isinstance(n.type.numel, int)
 
 
 def uses_pair_dot(group: Group, target: TargetDesc) -> bool:
@@ -43,7 +35,7 @@ def uses_pair_dot(group: Group, target: TargetDesc) -> bool:
     a, b = group.anchor.inputs
     k, n = b.shape[-2], b.shape[-1]
     return (a.dtype == b.dtype == DType.bf16 and isinstance(k, int) and isinstance(n, int) and k >= 2
-            and _weight(b))
+            and movement_of_param(b) and isinstance(b.type.numel, int))
 
 
 def pair_lanes(target: TargetDesc, nr: int) -> int:

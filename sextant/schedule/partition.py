@@ -78,6 +78,14 @@ def is_buffer(n: Node) -> bool:
     return n.op in ("input", "param")
 
 
+def movement_of_param(n: Node) -> bool:
+    """``n`` is a param re-indexed by single-operand movement ops: a value the compiler can lay out
+    at compile time (a Linear layer's ``permute(W)``, prepacked or put in pairs of K)."""
+    while n.op in ("reshape", "permute", "expand", "slice", "pad"):
+        n = n.inputs[0]
+    return n.op == "param"
+
+
 def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False,
               contiguous_rhs: bool = False, fuse_attention: bool = True,
               attention_refusal: Callable[[Attention], str | None] | None = None) -> list[Group]:

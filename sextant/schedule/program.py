@@ -33,7 +33,7 @@ from sextant.schedule.cpu_pairs import layout_pair_weights, uses_pair_dot
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers, micro_tile
 from sextant.schedule.overlap import overlap_collectives
-from sextant.schedule.partition import Group, partition
+from sextant.schedule.partition import Group, movement_of_param, partition
 from sextant.schedule.scatter import scatter_kernel
 from sextant.schedule.split_k import split_k
 from sextant.schedule.target import TargetDesc
@@ -258,12 +258,6 @@ class Program:
         return describe_program(self)
 
 
-def _movement_of_param(n: Node) -> bool:
-    while n.op in ("reshape", "permute", "expand", "slice", "pad"):
-        n = n.inputs[0]
-    return n.op == "param"
-
-
 def _evaluate(n: Node, graph: Graph) -> torch.Tensor:
     """The value of a node that depends on params only (a prepacked weight: a movement chain over
     a param, or a conv weight computed from several, e.g. weight norm), bottom up, iteratively."""
@@ -291,7 +285,7 @@ def prepack_weights(graph: Graph, groups: list[Group], target: TargetDesc | None
     for g in groups:
         if g.kind == "matmul" and not (target is not None and (uses_gemv(g, target) or uses_pair_dot(g, target))):
             b = g.anchor.inputs[1]
-            if b.op != "param" and _movement_of_param(b) and isinstance(b.type.numel, int):  # not a broadcast to a size
+            if b.op != "param" and movement_of_param(b) and isinstance(b.type.numel, int):  # not a broadcast to a size
                 packed.append(b)
     return packed
 

@@ -187,8 +187,9 @@ def _child(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def to_markdown(rows: list[dict[str, Any]], peak_gflops: float) -> str:
-    """The tables; ``peak_gflops``: the measured all-core FMA peak the percentages refer to."""
+def to_markdown(rows: list[dict[str, Any]], peak_gflops: float, library: str = "MKL", product: str = "`a @ b`") -> str:
+    """The tables; ``peak_gflops``: the measured all-core peak the percentages refer to; ``library``
+    computes torch's own ``product`` on the same shapes."""
     def f(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "–"
 
@@ -206,9 +207,10 @@ def to_markdown(rows: list[dict[str, Any]], peak_gflops: float) -> str:
             f"({100 * r['contraction_gflops'] / peak_gflops:.0f}%) | {other:.1f} | "
             f"{r['sextant_ms'] - r['kernels_ms']:.1f} | {r['sextant_compile_s']:.1f} | {r['rel_err']:.0e} |")
     lines += ["", "Per model, the four contraction shapes that take the most time (a matmul as batch × M × N × K; "
-              "sextant's GFLOP/s inside the forward; for a matmul, torch's `a @ b` — MKL — on the same shape in "
-              "the same process):", "",
-              "| model | kernel | launches | sextant ms | GFLOP/s | % of peak | MKL GFLOP/s | sextant / MKL |",
+              f"sextant's GFLOP/s inside the forward; for a matmul, torch's {product} — {library} — on the same "
+              "shape in the same process):", "",
+              f"| model | kernel | launches | sextant ms | GFLOP/s | % of peak | {library} GFLOP/s | "
+              f"sextant / {library} |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for g in r["gemms"]:
@@ -249,10 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                       "native executor, so with warm caches); *outside the profile* is the rest of a call: the "
                       "per-call overhead (microseconds) and, mostly, what cold caches cost inside a forward — "
                       "every weight streamed from memory once per call (ViT-B/16: 344 MB), which launches "
-                      "repeated back to back do not pay.", "", to_markdown(rows, peak.all_cores)])
-    if bf16:
-        text = text.replace("torch's `a @ b` — MKL —", "torch's bf16 `a @ b` — oneDNN —").replace(
-            "| MKL GFLOP/s | sextant / MKL |", "| oneDNN GFLOP/s | sextant / oneDNN |")
+                      "repeated back to back do not pay.", "",
+                      to_markdown(rows, peak.all_cores, *(("oneDNN", "bf16 `a @ b`") if bf16 else ()))])
     publish(text, ns.markdown, *MARKERS[ns.dtype])
     return 0
 
