@@ -32,6 +32,7 @@ from pathlib import Path
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from sextant.codegen import cpu_hopper as hopper
 from sextant.codegen import cpu_tensor_core as tc
 from sextant.codegen.counters import AccessCounter, CountInfo, CountingCpuModule
 from sextant.codegen.cpu_matrix import pair_dot
@@ -75,11 +76,19 @@ from sextant.kernel.ir import (
     For,
     Kernel,
     Load,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
     Mma,
     PairDot,
     Select,
     Special,
+    TmaLoad,
     Var,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaFence,
+    WgmmaWait,
 )
 from sextant.kernel.sizes import dim_expr
 from sextant.runtime.cpu import CpuModule, estimate_work
@@ -554,6 +563,14 @@ class _KernelLowering(LoweringBase):
                 self.checker.async_group(s)
         elif isinstance(s, PairDot):
             pair_dot(self, s)
+        elif isinstance(s, Wgmma):
+            hopper.wgmma(self, s)
+        elif isinstance(s, TmaLoad):
+            hopper.tma_load(self, s)
+        elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
+            hopper.mbarrier(self, s)
+        elif isinstance(s, WgmmaFence | WgmmaCommit | WgmmaWait):
+            pass  # the wgmma completed when it was issued
         else:
             raise self._fail(f"unexpected statement {type(s).__name__} inside a phase")
 

@@ -64,7 +64,7 @@ ENV_VAR = "SEXTANT_CHECK_RACES"
 WARP = 32  # lanes that must converge on a WarpReduce (the PTX lowering's shfl.sync member mask)
 REPORT = 8  # i32 words: kind, buffer, element, thread a, thread b, block, unused x2
 SHADOW = 5  # i32 words per shared element: write epoch, writer, read epoch, reader 1, reader 2
-RAW, WAW, WAR, OOB_LOAD, OOB_STORE, DIVERGENT, ASYNC = range(1, 8)
+RAW, WAW, WAR, OOB_LOAD, OOB_STORE, DIVERGENT, ASYNC, MBARRIER = range(1, 9)
 ASYNC_RING = 16  # cp.async groups per thread whose completion epoch is remembered
 
 
@@ -86,6 +86,11 @@ class OutOfBoundsError(KernelCheckError):
 
 class AsyncCopyError(SharedMemoryRaceError):
     """Shared memory a ``cp.async`` writes is touched before the copy's group was waited for."""
+
+
+class MbarrierHangError(KernelCheckError):
+    """A thread waits for an mbarrier phase that has not completed when every thread has reached the
+    wait: an arrival or transaction bytes are missing (on the GPU, the block hangs)."""
 
 
 class DivergentWarpError(KernelCheckError):
@@ -233,6 +238,10 @@ class KernelChecker:
             self._record(b.icmp_signed("!=", stamp, expected), DIVERGENT, warp_id, i, low.ltid, i)
 
         low._loop(first, stop, 1, lane, f"check.{slot}")
+
+    def mbarrier_wait(self, done: ir.Value, bar: str, index: ir.Value, parity: ir.Value) -> None:
+        """At an ``MbarrierWait`` (a phase boundary): report if the awaited phase is not complete."""
+        self._record(self.low.b.not_(done), MBARRIER, self.info.buffers.index(bar), index, self.low.ltid, parity)
 
     def async_group(self, s: CpAsyncCommit | CpAsyncWait) -> None:
         """Commit: this thread's open group closes. Wait: all but its ``pending`` newest
@@ -414,6 +423,11 @@ def describe(info: CheckInfo, report: list[int]) -> KernelCheckError:
             f"reach; every lane of the warp must take part (a {'warp-level matrix operation' if op else 'WarpReduce'} "
             "under a condition that differs within a warp)", k.name, var, elem, (ta, tb), blk)
     name = info.buffers[buf]
+    if kind == MBARRIER:
+        return MbarrierHangError(
+            f"{where}: thread {ta} waits for the phase of parity {b} of mbarrier {name}[{elem}], which has not "
+            "completed after every thread reached the wait: an arrival or transaction bytes (TMA) it expects are "
+            "missing, or the parity is wrong (on the GPU the block would hang)", k.name, name, elem, (ta,), blk)
     if kind == ASYNC:
         return AsyncCopyError(
             f"{where}: thread {tb} touches {name}[{elem}] while thread {ta}'s cp.async into it may still be in "

@@ -28,6 +28,10 @@ sequence of **phases**, and each phase is wrapped in its own loop over the block
   — its D fragment from the warp's matrices and its own C; :class:`LdmRead` — its elements of
   the rows its warp's lanes addressed). ``cp.async`` copies complete at once on the CPU.
 
+* An ``MbarrierWait`` is a cut like a barrier (asynchronous copies complete at once on the CPU, so
+  every thread having run the code before it is what the wait guarantees); it stays at the start
+  of the next phase, where the checked build verifies that the awaited phase did complete.
+
 * Barriers leave no trace in the plan unless asked (``mark_barriers``): then a :class:`Sync`
   marks each, because the race checker (``race_check``) must tell a barrier, which orders
   shared memory, from a phase boundary cut by a ``WarpReduce``, which does not.
@@ -55,6 +59,7 @@ from sextant.kernel.ir import (
     Kernel,
     LdMatrix,
     Load,
+    MbarrierWait,
     Mma,
     Select,
     Special,
@@ -63,6 +68,7 @@ from sextant.kernel.ir import (
     Unary,
     Var,
     WarpReduce,
+    Wgmma,
     stmt_operands,
 )
 
@@ -238,7 +244,7 @@ def iter_stmts(stmts: Sequence[Stmt]) -> Iterator[Stmt]:
 
 
 def has_sync(s: Stmt) -> bool:
-    if isinstance(s, Barrier | WarpReduce | Mma | LdMatrix):
+    if isinstance(s, Barrier | WarpReduce | Mma | LdMatrix | MbarrierWait):
         return True
     if isinstance(s, For):
         return any(has_sync(x) for x in s.body)
@@ -402,6 +408,11 @@ class _Planner:
                 flush()
                 if self.mark_barriers:
                     items.append(Sync())
+            elif isinstance(s, MbarrierWait):  # every thread ran what precedes it: a barrier that checks the phase
+                flush()
+                if self.mark_barriers:
+                    items.append(Sync())
+                cur.append(s)
             elif isinstance(s, WarpReduce):
                 self._check_warp(s)
                 slot = f"xchg{len(self.exchanges)}"
@@ -539,6 +550,8 @@ class _Liveness:
             elif isinstance(s, MmaCompute):
                 self._buffer(s.mma.c)
                 self._buffer(s.mma.d)
+            elif isinstance(s, Wgmma):
+                self._buffer(s.d)
             elif isinstance(s, LdmRead):
                 self._buffer(s.ldm.dst)
             elif isinstance(s, For):

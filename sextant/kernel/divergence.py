@@ -31,6 +31,7 @@ from sextant.kernel.ir import (
     Store,
     Var,
     WarpReduce,
+    Wgmma,
     stmt_operands,
 )
 from sextant.work import WorkCounter
@@ -137,8 +138,8 @@ class Divergence:
             elif isinstance(s, PairDot):  # accumulates into its local buffer from its operands
                 self._feed(("m", s.acc), ctrl, stmt_operands(s))
                 self._stored.add(s.acc)
-            elif isinstance(s, Mma | LdMatrix):  # each lane holds different elements
-                buf = s.d if isinstance(s, Mma) else s.dst
+            elif isinstance(s, Mma | LdMatrix | Wgmma):  # each lane holds different elements
+                buf = s.dst if isinstance(s, LdMatrix) else s.d
                 self._feed(("m", buf), ctrl, ())
                 self._level[("m", buf)] = THREAD
                 self._stored.add(buf)

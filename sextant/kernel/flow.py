@@ -21,6 +21,7 @@ from sextant.kernel.facts import Delta, Env, assume, bounds
 from sextant.kernel.intervals import Interval, fit, hull, int_range, intersect, is_intlike
 from sextant.kernel.ir import (
     ASYNC_COPY,
+    HOPPER,
     INDEX,
     Assign,
     AtomicAdd,
@@ -301,7 +302,8 @@ class Ranges:
                 ends.append(self.leave_branch(env, reachable))
             frame[2] = None
             return self.join(env, ends[0], ends[1])
-        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, PairDot, *ASYNC_COPY)), s  # no register effect
+        # no register effect
+        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, PairDot, *ASYNC_COPY, *HOPPER)), s
         return True
 
 

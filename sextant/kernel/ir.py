@@ -272,10 +272,116 @@ class PairDot:
 PAIR_DOT_LANES = (4, 8, 16)  # 128-, 256- and 512-bit vectors of f32
 
 
+# -- Hopper (sm_90a): warpgroup MMA fed by TMA, mbarriers ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SmemMatrix:
+    """A ``wgmma`` operand in shared memory, as its matrix descriptor describes it: K-major, the
+    descriptor's start address at element ``offset`` of ``buffer``; ``swizzle`` 0 (interleaved 8×16-byte
+    core matrices, ``lbo`` bytes apart along K) or 32/64/128 bytes (8-row atoms); ``sbo`` bytes between
+    8-row groups (``sextant.kernel.wgmma`` has the layouts)."""
+
+    buffer: str
+    offset: Expr
+    swizzle: int = 128
+    lbo: int = 0
+    sbo: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Wgmma:
+    """``D += A · Bᵀ`` for a 64×``n``×16 tile, by the 128 threads of a warpgroup together
+    (``wgmma.mma_async.sync.aligned.m64nNk16.f32``): A (64×16) and B (``n``×16, B's columns) are
+    f16/bf16 in shared memory; each thread's ``n/2`` f32 accumulators are ``d[d_off …]`` in the
+    layout ``kernel.wgmma.d_coord`` gives. *Asynchronous*: issued after a :class:`WgmmaFence`,
+    closed into a group by :class:`WgmmaCommit`; its accumulators may be read, and its operands
+    overwritten, only after a :class:`WgmmaWait` covers that group."""
+
+    n: int
+    d: str
+    d_off: Expr
+    a: SmemMatrix
+    b: SmemMatrix
+
+
+@dataclass(frozen=True, slots=True)
+class WgmmaFence:
+    """``wgmma.fence``: accumulator registers written before it are what the next wgmmas read."""
+
+
+@dataclass(frozen=True, slots=True)
+class WgmmaCommit:
+    """``wgmma.commit_group``: the warpgroup's uncommitted wgmmas become one group."""
+
+
+@dataclass(frozen=True, slots=True)
+class WgmmaWait:
+    """``wgmma.wait_group``: wait until at most ``pending`` groups are in flight. ``accs`` names the
+    accumulator buffers of the wgmmas it waits for: the GPU lowering passes them through the wait
+    (tied registers), so no read of them can move above it."""
+
+    pending: int
+    accs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MbarrierInit:
+    """``mbarrier.init``: barrier ``bar[index]`` (a shared ``i64``) expects ``count`` arrivals per
+    phase; its phase 0 begins. One thread initialises; a :class:`Barrier` follows before use."""
+
+    bar: str
+    index: Expr
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class MbarrierArrive:
+    """``mbarrier.arrive.expect_tx``: this thread arrives at ``bar[index]`` and announces ``tx``
+    bytes of asynchronous copies (:class:`TmaLoad`) that complete its current phase. The phase
+    completes when every expected thread has arrived and every announced byte has landed."""
+
+    bar: str
+    index: Expr
+    tx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MbarrierWait:
+    """``mbarrier.try_wait.parity`` in a loop: wait until the phase of ``bar[index]`` with parity
+    ``parity`` (0 or 1: phases alternate) has completed. Thread-uniform control flow only."""
+
+    bar: str
+    index: Expr
+    parity: Expr
+
+
+@dataclass(frozen=True, slots=True)
+class TmaLoad:
+    """``cp.async.bulk.tensor.2d`` (TMA): copy the ``box`` (rows, cols) of global ``src`` — viewed as
+    a ``shape`` (rows, cols) matrix whose rows are ``stride`` elements apart — whose top-left element
+    is ``(row, col)`` into shared ``dst[dst_off …]``, row-major and swizzled (``swizzle`` bytes, as
+    ``kernel.wgmma.tma_box_offset``); elements outside the matrix read as zero. Completes on
+    ``bar[bar_index]`` with the box's bytes. Issued by one thread; the tensor map it names is built by
+    the runtime (``runtime.tensor_maps``) and passed as a kernel parameter."""
+
+    dst: str
+    dst_off: Expr
+    src: str
+    row: Expr
+    col: Expr
+    box: tuple[int, int]
+    shape: tuple[int, int]
+    stride: int
+    swizzle: int
+    bar: str
+    bar_index: Expr
+
+
 Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit,  # noqa: UP007
-             CpAsyncWait, PairDot]
+             CpAsyncWait, PairDot, Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive,
+             MbarrierWait, TmaLoad]
 WARP_COLLECTIVE = (WarpReduce, Mma, LdMatrix)  # every lane of the warp executes these together
 ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
+HOPPER = (Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive, MbarrierWait, TmaLoad)
 
 
 def stmt_operands(s: Stmt) -> tuple[Expr, ...]:
@@ -289,6 +395,14 @@ def stmt_operands(s: Stmt) -> tuple[Expr, ...]:
         return (s.dst_index, s.src_index) + ((s.pred,) if s.pred is not None else ())
     if isinstance(s, PairDot):
         return (s.acc_off, s.a_lo, s.a_hi, s.b_off)
+    if isinstance(s, Wgmma):
+        return (s.d_off, s.a.offset, s.b.offset)
+    if isinstance(s, MbarrierInit | MbarrierArrive):
+        return (s.index,)
+    if isinstance(s, MbarrierWait):
+        return (s.index, s.parity)
+    if isinstance(s, TmaLoad):
+        return (s.dst_off, s.row, s.col, s.bar_index)
     return ()
 
 
@@ -303,6 +417,15 @@ def map_operands(s: Stmt, fn: Callable[[Expr], Expr]) -> Stmt:
                                    pred=None if s.pred is None else fn(s.pred))
     if isinstance(s, PairDot):
         return dataclasses.replace(s, acc_off=fn(s.acc_off), a_lo=fn(s.a_lo), a_hi=fn(s.a_hi), b_off=fn(s.b_off))
+    if isinstance(s, Wgmma):
+        return dataclasses.replace(s, d_off=fn(s.d_off), a=dataclasses.replace(s.a, offset=fn(s.a.offset)),
+                                   b=dataclasses.replace(s.b, offset=fn(s.b.offset)))
+    if isinstance(s, MbarrierInit | MbarrierArrive):
+        return dataclasses.replace(s, index=fn(s.index))
+    if isinstance(s, MbarrierWait):
+        return dataclasses.replace(s, index=fn(s.index), parity=fn(s.parity))
+    if isinstance(s, TmaLoad):
+        return dataclasses.replace(s, dst_off=fn(s.dst_off), row=fn(s.row), col=fn(s.col), bar_index=fn(s.bar_index))
     return s
 
 

@@ -38,15 +38,24 @@ from sextant.kernel.ir import (
     Kernel,
     LdMatrix,
     Load,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
     Mma,
     PairDot,
     Select,
+    SmemMatrix,
     Special,
     Stmt,
     Store,
+    TmaLoad,
     Unary,
     Var,
     WarpReduce,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaFence,
+    WgmmaWait,
 )
 from sextant.kernel.sizes import launch_blocks
 
@@ -149,6 +158,25 @@ def stmt_header(s: Stmt) -> str:
     if isinstance(s, PairDot):
         return (f"pair_dot_x{s.lanes}({_ref(s.acc, s.acc_off)}, {print_expr(s.a_lo)}, {print_expr(s.a_hi)}, "
                 f"{_ref(s.b, s.b_off)})")
+    if isinstance(s, Wgmma):
+        return f"wgmma_m64n{s.n}k16({_ref(s.d, s.d_off)}, {_smem(s.a)}, {_smem(s.b)})"
+    if isinstance(s, WgmmaFence):
+        return "wgmma_fence()"
+    if isinstance(s, WgmmaCommit):
+        return "wgmma_commit()"
+    if isinstance(s, WgmmaWait):
+        return f"wgmma_wait({s.pending}, {', '.join(s.accs)})"
+    if isinstance(s, MbarrierInit):
+        return f"mbarrier_init({_ref(s.bar, s.index)}, {s.count})"
+    if isinstance(s, MbarrierArrive):
+        return f"mbarrier_arrive({_ref(s.bar, s.index)}, tx={s.tx})"
+    if isinstance(s, MbarrierWait):
+        return f"mbarrier_wait({_ref(s.bar, s.index)}, parity={print_expr(s.parity)})"
+    if isinstance(s, TmaLoad):
+        (br, bc), (r, c) = s.box, s.shape
+        return (f"tma_load({_ref(s.dst, s.dst_off)}, {s.src}[{r}x{c}, stride {s.stride}]"
+                f"[{print_expr(s.row)}, {print_expr(s.col)}], box={br}x{bc}, swizzle={s.swizzle}, "
+                f"{_ref(s.bar, s.bar_index)})")
     if isinstance(s, CpAsyncCommit):
         return "cp_async_commit()"
     if isinstance(s, CpAsyncWait):
@@ -158,6 +186,11 @@ def stmt_header(s: Stmt) -> str:
 
 def _ref(buffer: str, index: Expr) -> str:
     return f"&{buffer}[{print_expr(index)}]"
+
+
+def _smem(m: SmemMatrix) -> str:
+    lbo = f", lbo={m.lbo}" if m.swizzle == 0 else ""
+    return f"desc({_ref(m.buffer, m.offset)}, swizzle={m.swizzle}{lbo}, sbo={m.sbo})"
 
 
 def print_stmt(s: Stmt, indent: int = 0) -> list[str]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ops import BINARY, UNARY, IRTypeError, TensorType, infer_type
+from sextant.kernel import verify_hopper
 from sextant.kernel.divergence import UNIFORM, WARP, WARP_UNIFORM, Divergence
 from sextant.kernel.exprs import children, free_names, statement_count
 from sextant.kernel.facts import Env, assume, bounds
@@ -38,6 +39,7 @@ from sextant.kernel.flow import Ranges
 from sextant.kernel.fragments import mma_accumulators, mma_shape
 from sextant.kernel.intervals import int_range
 from sextant.kernel.ir import (
+    HOPPER,
     INDEX,
     PAIR_DOT_LANES,
     Assign,
@@ -56,15 +58,20 @@ from sextant.kernel.ir import (
     Kernel,
     LdMatrix,
     Load,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
     Mma,
     PairDot,
     Select,
     Special,
     Stmt,
     Store,
+    TmaLoad,
     Unary,
     Var,
     WarpReduce,
+    Wgmma,
     add,
     stmt_operands,
 )
@@ -241,6 +248,9 @@ class _Verifier:
             return
         if isinstance(s, PairDot):
             self.pair_dot(s, defined)
+            return
+        if isinstance(s, HOPPER):
+            verify_hopper.check(self, s, defined, control)
             return
         if isinstance(s, Barrier):
             for c in reversed(control):
@@ -578,6 +588,13 @@ def _ranges_touched(s: Stmt, buffers: dict[str, Buffer]) -> Iterator[tuple[str, 
     elif isinstance(s, PairDot):
         yield s.acc, s.acc_off, s.lanes, True, None
         yield s.b, s.b_off, 2 * s.lanes, False, None
+    elif isinstance(s, Wgmma):
+        yield s.d, s.d_off, s.n // 2, True, None
+    elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
+        yield s.bar, s.index, 1, True, None
+    elif isinstance(s, TmaLoad):
+        yield s.dst, s.dst_off, s.box[0] * s.box[1], True, None
+        yield s.bar, s.bar_index, 1, True, None
 
 
 def _accesses(e: Expr) -> Iterator[tuple[str, Expr]]:

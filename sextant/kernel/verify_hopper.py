@@ -1,0 +1,161 @@
+"""The verifier's rules for the Hopper statements (warpgroup MMA, TMA, mbarriers).
+
+What the hardware requires and a schedule can get wrong without any other symptom than a hang
+or garbage on an H100/H200: warpgroup-collective ``wgmma`` in full, convergent warpgroups with
+uniform descriptors; operand buffers in shared memory of one 16-bit dtype; descriptor offsets
+encodable (16-byte multiples below 2¹⁸); swizzled operands and TMA destinations at addresses
+whose swizzle bits are the buffer's own (a multiple of the 1024-byte pattern); a TMA box whose
+rows fill the swizzle span; mbarriers in shared ``i64`` buffers; waits outside thread-dependent
+control flow (a thread that skips the wait reads an incomplete stage; one that waits alone
+deadlocks). Bounds of the shared-memory operands are checked where they are read (the CPU
+emulation's checked build), as they follow from the descriptor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from sextant.graph.dtypes import DType
+from sextant.kernel.divergence import UNIFORM, WARP_UNIFORM
+from sextant.kernel.ir import (
+    Binary,
+    Const,
+    Expr,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
+    SmemMatrix,
+    Stmt,
+    TmaLoad,
+    Wgmma,
+    WgmmaWait,
+    stmt_operands,
+)
+from sextant.kernel.wgmma import MAX_TMA_BOX, SWIZZLE_ALIGN, SWIZZLES, WARPGROUP, wgmma_n_ok
+
+if TYPE_CHECKING:
+    from sextant.kernel.verifier import _Control, _Verifier
+
+MAX_TX = (1 << 20) - 1  # bytes one phase of an mbarrier can expect
+
+
+def known_multiple(e: Expr) -> int:
+    """The largest number ``e`` is surely a multiple of (0 for the constant 0), from its form."""
+    if isinstance(e, Const):
+        return abs(int(e.value))
+    if isinstance(e, Binary):
+        a, b = known_multiple(e.a), known_multiple(e.b)
+        if e.op == "mul":
+            return a * b
+        if e.op in ("add", "sub"):
+            return math.gcd(a, b)
+        if e.op == "shl" and isinstance(e.b, Const):
+            return a << int(e.b.value)
+    return 1
+
+
+def _aligned(e: Expr, itemsize: int, align: int) -> bool:
+    m = known_multiple(e) * itemsize
+    return m == 0 or m % align == 0
+
+
+def check(v: _Verifier, s: Stmt, defined: set[str], control: tuple[_Control, ...]) -> None:
+    """Check one Hopper statement (``verifier._Verifier.stmt`` hands them here)."""
+    for e in stmt_operands(s):
+        v.expr(e, s, defined)
+        v.index(e, s)
+    if isinstance(s, Wgmma):
+        _wgmma(v, s, control)
+    elif isinstance(s, WgmmaWait):
+        if not isinstance(s.pending, int) or not 0 <= s.pending <= 7:
+            v.fail(s, f"wgmma wait for {s.pending!r} pending groups (0 to 7)")
+        for name in s.accs:
+            b = v.buffers.get(name)
+            if b is None or b.space != "local":
+                v.fail(s, f"wgmma wait names {name!r}, which is not a local accumulator buffer")
+    elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
+        _bar(v, s, s.bar)
+        if isinstance(s, MbarrierInit) and not (isinstance(s.count, int) and 1 <= s.count <= MAX_TX):
+            v.fail(s, f"an mbarrier expects 1 to {MAX_TX} arrivals, not {s.count!r}")
+        if isinstance(s, MbarrierArrive) and not (isinstance(s.tx, int) and 0 <= s.tx <= MAX_TX):
+            v.fail(s, f"an mbarrier phase expects 0 to {MAX_TX} transaction bytes, not {s.tx!r}")
+        if isinstance(s, MbarrierWait):
+            for c in reversed(control):
+                if c.level > UNIFORM:
+                    v.fail(s, f"mbarrier wait under thread-dependent control flow: `{c.header}` {c.reason}; "
+                              "every thread of the block waits (the CPU emulation runs it as a barrier)")
+                    break
+    elif isinstance(s, TmaLoad):
+        _tma(v, s)
+
+
+def _bar(v: _Verifier, s: Stmt, name: str) -> None:
+    b = v.buffers.get(name)
+    if b is None or b.space != "shared" or b.dtype != DType.i64:
+        v.fail(s, f"mbarrier {name!r} must be a shared i64 buffer")
+
+
+def _wgmma(v: _Verifier, s: Wgmma, control: tuple[_Control, ...]) -> None:
+    assert v.div is not None
+    if v.k.threads_per_block % WARPGROUP:
+        v.fail(s, f"a wgmma needs full warpgroups of {WARPGROUP} threads, but the block has {v.k.threads_per_block}")
+    for c in reversed(control):
+        if c.level > WARP_UNIFORM:
+            v.fail(s, f"wgmma under control flow that differs within a warp: `{c.header}` {c.reason}; every "
+                      "thread of the warpgroup must execute it")
+            break
+    level, reason = v.div.level_of(s.d_off, s.a.offset, s.b.offset)
+    if level > UNIFORM:
+        v.fail(s, f"wgmma offsets must be the same in every thread, but they {reason}")
+    if not wgmma_n_ok(s.n):
+        v.fail(s, f"wgmma N={s.n!r} (a multiple of 8 from 8 to 256)")
+    d = v.buffers.get(s.d)
+    if d is None or d.space != "local" or d.dtype != DType.f32:
+        v.fail(s, f"wgmma accumulates into an f32 local buffer, not {s.d!r}")
+    ab = [_operand(v, s, which, m) for which, m in (("A", s.a), ("B", s.b))]
+    if all(ab) and ab[0] != ab[1]:
+        v.fail(s, f"wgmma A is {ab[0].value} but B is {ab[1].value}")
+
+
+def _operand(v: _Verifier, s: Stmt, which: str, m: SmemMatrix) -> DType | None:
+    b = v.buffers.get(m.buffer)
+    if b is None or b.space != "shared" or b.dtype not in (DType.f16, DType.bf16):
+        v.fail(s, f"wgmma {which} must be an f16 or bf16 shared buffer, not {m.buffer!r}")
+        return None
+    if m.swizzle not in SWIZZLES:
+        v.fail(s, f"wgmma {which}: swizzle {m.swizzle!r} bytes (one of {SWIZZLES})")
+    for name, val in (("lbo", m.lbo), ("sbo", m.sbo)):
+        if not isinstance(val, int) or val < 0 or val % 16 or val >= 1 << 18:
+            v.fail(s, f"wgmma {which}: {name}={val!r} is not a multiple of 16 below 2^18 (held >> 4)")
+    if not _aligned(m.offset, b.dtype.itemsize, 16):
+        v.fail(s, f"wgmma {which}: the descriptor's start (element {m.offset}) is not surely 16-byte aligned")
+    return b.dtype
+
+
+def _tma(v: _Verifier, s: TmaLoad) -> None:
+    _bar(v, s, s.bar)
+    dst, src = v.buffers.get(s.dst), v.buffers.get(s.src)
+    if dst is None or src is None or dst.space != "shared" or src.space != "global":
+        v.fail(s, f"TMA copies a global buffer to a shared one, not {s.src!r} to {s.dst!r}")
+        return
+    if dst.dtype != src.dtype:
+        v.fail(s, f"TMA from {src.dtype.value} {src.name!r} to {dst.dtype.value} {dst.name!r}")
+    size = dst.dtype.itemsize
+    (br, bc), (rows, cols) = s.box, s.shape
+    if not all(isinstance(x, int) and 1 <= x <= MAX_TMA_BOX for x in (br, bc)):
+        v.fail(s, f"TMA box {s.box} (1 to {MAX_TMA_BOX} elements per dimension)")
+        return
+    if (bc * size) % 16:
+        v.fail(s, f"TMA box rows of {bc * size} bytes (a multiple of 16)")
+    if not (isinstance(rows, int) and isinstance(cols, int) and rows >= 1 and cols >= 1 and s.stride >= cols):
+        v.fail(s, f"TMA source shape {s.shape} with row stride {s.stride}")
+    elif (s.stride * size) % 16 or s.stride * size >= 1 << 40:
+        v.fail(s, f"TMA source row stride of {s.stride * size} bytes (a multiple of 16, as the tensor map holds it)")
+    if s.swizzle not in SWIZZLES:
+        v.fail(s, f"TMA swizzle {s.swizzle!r} bytes (one of {SWIZZLES})")
+    elif s.swizzle and bc * size != s.swizzle:
+        v.fail(s, f"TMA box rows of {bc * size} bytes must fill the {s.swizzle}-byte swizzle span")
+    align = SWIZZLE_ALIGN if s.swizzle else 128
+    if not _aligned(s.dst_off, size, align):
+        v.fail(s, f"TMA destination (element {s.dst_off}) is not surely {align}-byte aligned")

@@ -1,0 +1,120 @@
+"""Hopper's warpgroup MMA and tensor-memory-accelerator layouts, as plain functions.
+
+Like ``fragments`` for ``mma.sync``, every user reads the layouts from here: the schedules
+(which accumulator of which thread is output ``(row, col)``; how to lay a tile out in shared
+memory and describe it), the CPU emulation (``codegen.cpu_hopper``: which shared-memory element
+a descriptor names, where a TMA box lands), the NVPTX lowering (the descriptor's bits) and the
+docs. Sources: PTX ISA §9.7.15 "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"
+(register fragments of D for ``.m64nNk16``; the shared-memory matrix descriptor and its
+canonical K-major layouts) and §5.5 "Tensor Access Modes" / the CUDA driver's
+``CU_TENSOR_MAP_SWIZZLE_*`` (the swizzle pattern TMA writes).
+
+**D fragments.** A warpgroup is 4 consecutive warps (128 threads, the first warp's id a multiple
+of 4); warp ``w`` of it holds rows ``16w … 16w+15`` of the 64-row result. In each warp, with
+``g = lane >> 2`` and ``t = lane % 4`` as for ``mma.sync``, accumulator ``i`` (of ``N/2``) is
+row ``16w + g + 8·((i >> 1) & 1)``, column ``8·(i >> 2) + 2t + (i & 1)``: the m16n8 C layout
+repeated over the ``N/8`` column blocks.
+
+**Shared-memory operands (K-major).** A is 64×K, B is N×K (B's columns, "K-major": for
+``x @ W.T`` the weight as it is stored). Both are read through a 64-bit *matrix descriptor*:
+start address, leading- and stride-dimension byte offsets (LBO, SBO) and a swizzle mode.
+
+* No swizzle ("interleaved"): the matrix is tiled into *core matrices* of 8 rows × 16 bytes,
+  each stored as 128 contiguous bytes (row ``r % 8`` at ``16·(r % 8)``); core matrices that
+  follow along K are LBO bytes apart, along M/N SBO bytes apart.
+* Swizzle of S = 32, 64 or 128 bytes: 8 rows of S bytes each (row ``r % 8`` at ``S·(r % 8)``,
+  K contiguous within it) form an *atom*; atoms that follow along M/N are SBO bytes apart
+  (LBO is not used: one instruction's K of 16 elements never leaves the row). The 16-byte
+  chunks of each row are permuted by XOR with the row: address bits ``[4, 4+log2(S/16))`` ^=
+  bits ``[7, 7+log2(S/16))``. The pattern is a function of the *address*, so a swizzled
+  buffer starts at a multiple of 1024 bytes and the K steps of one row advance the start by
+  32 bytes (16 f16) — exactly what TMA writes with the same swizzle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WARPGROUP = 128  # threads
+WGMMA_M = 64
+SWIZZLES = (0, 32, 64, 128)  # bytes; 0 is the interleaved (unswizzled) core-matrix layout
+_MODE = {0: 0, 128: 1, 64: 2, 32: 3}  # the descriptor's bits 62-63
+SWIZZLE_ALIGN = 1024  # bytes: a swizzled buffer's start (the pattern repeats every 8 rows of 128 B)
+CORE_ROWS, CORE_BYTES = 8, 16
+MAX_TMA_BOX = 256  # elements per box dimension
+
+
+@dataclass(frozen=True)
+class WgmmaShape:
+    """One ``wgmma.mma_async`` shape: ``m64nNk16`` (f16/bf16) with f32 accumulators."""
+
+    n: int
+    k: int = 16
+
+    @property
+    def m(self) -> int:
+        return WGMMA_M
+
+    @property
+    def d_elems(self) -> int:
+        """Accumulators per thread."""
+        return self.n // 2
+
+    @property
+    def ptx(self) -> str:
+        return f"m64n{self.n}k{self.k}"
+
+    def d_coord(self, thread: int, i: int) -> tuple[int, int]:
+        """``(row, col)`` of accumulator ``i`` of warpgroup thread ``thread`` (0–127)."""
+        return d_coord(thread, i)
+
+
+def d_coord(thread: int, i: int) -> tuple[int, int]:
+    """``(row, col)`` of wgmma accumulator ``i`` of warpgroup thread ``thread`` (any N)."""
+    warp, lane = (thread % WARPGROUP) >> 5, thread & 31
+    g, t = lane >> 2, lane & 3
+    return 16 * warp + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)
+
+
+def wgmma_n_ok(n: int) -> bool:
+    """N of an f16/bf16 ``wgmma``: a multiple of 8 from 8 to 256."""
+    return isinstance(n, int) and 8 <= n <= 256 and n % 8 == 0
+
+
+# -- shared-memory layouts --------------------------------------------------------------------
+def kmajor_offset(row: int, k: int, itemsize: int, swizzle: int, lbo: int, sbo: int) -> int:
+    """Byte offset from a descriptor's start address of element ``(row, k)`` of a K-major
+    operand, *before* the swizzle (``swizzle_address`` applies it to the whole address)."""
+    if swizzle == 0:
+        per = CORE_BYTES // itemsize  # elements in a core-matrix row
+        return (row // CORE_ROWS) * sbo + (k // per) * lbo + (row % CORE_ROWS) * CORE_BYTES + (k % per) * itemsize
+    return (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * swizzle + k * itemsize
+
+
+def swizzle_address(addr: int, swizzle: int) -> int:
+    """The shared-memory byte address a swizzled access of ``addr`` touches (16-byte chunk ^ row)."""
+    if swizzle == 0:
+        return addr
+    bits = (swizzle // 16).bit_length() - 1  # 1, 2, 3
+    mask = (1 << bits) - 1
+    return addr ^ (((addr >> 7) & mask) << 4)
+
+
+def descriptor(start: int, swizzle: int, lbo: int, sbo: int) -> int:
+    """The 64-bit matrix descriptor: bits 0–13 start >> 4, 16–29 LBO >> 4, 32–45 SBO >> 4,
+    62–63 the swizzle mode (0 none, 1 128 B, 2 64 B, 3 32 B); base offset 0."""
+    return (((start & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16) | (((sbo >> 4) & 0x3FFF) << 32)
+            | (_MODE[swizzle] << 62))
+
+
+def descriptor_fields(desc: int) -> tuple[int, int, int, int]:
+    """``(start, swizzle, lbo, sbo)`` back from a descriptor (for tests and dumps)."""
+    mode = {v: k for k, v in _MODE.items()}[(desc >> 62) & 3]
+    return (desc & 0x3FFF) << 4, mode, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+
+
+def tma_box_offset(r: int, c: int, box_cols: int, itemsize: int, swizzle: int) -> int:
+    """Byte offset, from the (aligned) destination, where TMA writes box element ``(r, c)``: the
+    box row-major, each row ``box_cols·itemsize`` bytes, then the swizzle."""
+    return swizzle_address((r * box_cols + c) * itemsize, swizzle)
+
