@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from sextant.codegen import nvptx_hopper as hopper
 from sextant.codegen import nvptx_tensor_core as tc
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.libdevice import link_libdevice, nvptx_math
 from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
 from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
-from sextant.codegen.simt import WARP_OPS, register_types
+from sextant.codegen.simt import WARP_OPS, iter_stmts, register_types
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Barrier,
@@ -48,13 +49,22 @@ from sextant.kernel.ir import (
     Expr,
     Kernel,
     LdMatrix,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
     Mma,
     PairDot,
     Special,
     Stmt,
+    TmaLoad,
     Var,
     WarpReduce,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaFence,
+    WgmmaWait,
 )
+from sextant.kernel.wgmma import SWIZZLE_ALIGN, TensorMap, kernel_tensor_maps
 from sextant.schedule.target import max_shared_bytes
 
 TRIPLE = "nvptx64-nvidia-cuda"
@@ -83,6 +93,7 @@ class PtxKernel:
     block: tuple[int, int, int]
     params: tuple[str, ...]  # global buffers, in parameter order
     shared_bytes: int  # shared memory: static, or dynamic when over MAX_STATIC_SHARED
+    tensor_maps: tuple[TensorMap, ...] = ()  # TMA descriptors passed after the sizes (runtime encodes them)
 
 
 @dataclass(frozen=True)
@@ -153,7 +164,7 @@ def emit_ptx(kernels: Sequence[Kernel], arch: str = DEFAULT_ARCH, ptx_isa: int |
     t0 = time.perf_counter()
     tm = nvptx_target_machine(arch, ptx_isa)
     module = emit_llvm(kernels, tm, arch)
-    text = str(module)
+    text = hopper.grid_constant_params(str(module))
     timings["lower"] = time.perf_counter() - t0
     names = {k.name for k in kernels}
     with _compile_lock:
@@ -182,8 +193,8 @@ def emit_ptx(kernels: Sequence[Kernel], arch: str = DEFAULT_ARCH, ptx_isa: int |
     unresolved = re.findall(r"^\.extern \.func .*?(\w+)\s*\(", asm, re.MULTILINE)
     if unresolved:
         raise CodegenError(f"the PTX calls undefined function(s) {', '.join(unresolved)}")
-    infos = tuple(PtxKernel(k.name, k.grid, k.block, tuple(p.name for p in k.params), _shared_bytes(k))
-                  for k in kernels)
+    infos = tuple(PtxKernel(k.name, k.grid, k.block, tuple(p.name for p in k.params), _shared_bytes(k),
+                            kernel_tensor_maps(k.body)) for k in kernels)
     return PtxModule(asm, arch, infos, text, optimized, tuple(linked), timings)
 
 
@@ -224,12 +235,32 @@ def _shared_bytes(k: Kernel) -> int:
 
 def _shared_offsets(k: Kernel) -> tuple[list[int], int]:
     """Each shared buffer's byte offset in one dynamic array (16-byte aligned: vector and
-    ``ldmatrix``/``cp.async`` accesses), and the array's size."""
+    ``ldmatrix``/``cp.async`` accesses; more for TMA and swizzled wgmma operands), and the array's size."""
     offsets, end = [], 0
+    align = shared_alignment(k)
     for s in k.shared:
+        a = align.get(s.name, 16)
+        end = -(-end // a) * a
         offsets.append(end)
         end += -(-s.size * s.dtype.itemsize // 16) * 16
     return offsets, end
+
+
+def shared_alignment(k: Kernel) -> dict[str, int]:
+    """Shared buffers that need more than 16-byte alignment: a TMA destination 128 bytes, a swizzled
+    TMA destination or wgmma operand 1024 (the swizzle is a function of the address's bits 4-9)."""
+    out: dict[str, int] = {}
+
+    def need(name: str, a: int) -> None:
+        out[name] = max(out.get(name, 16), a)
+
+    for s in iter_stmts(k.body):
+        if isinstance(s, TmaLoad):
+            need(s.dst, SWIZZLE_ALIGN if s.swizzle else 128)
+        elif isinstance(s, Wgmma):
+            for m in (s.a, s.b):
+                need(m.buffer, SWIZZLE_ALIGN if m.swizzle else 16)
+    return out
 
 
 def dynamic_shared_bytes(k: Kernel) -> int:
@@ -257,8 +288,14 @@ class _Lowering(LoweringBase):
         self.arch = arch
         gptr = ir.PointerType(addrspace=GLOBAL)
         # buffers, then the sizes of a kernel over symbolic sizes (i32 scalars: kernel/sizes.py)
+        # ... then the tensor maps of its TMA loads (byval grid constants: nvptx_hopper.grid_constant_params)
+        maps = kernel_tensor_maps(kernel.body)
         self.fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [gptr] * len(kernel.params) + [I32] * len(
-            kernel.sizes)), kernel.name)
+            kernel.sizes) + [ir.PointerType()] * len(maps)), kernel.name)
+        self.tensor_maps: dict[TensorMap, ir.Value] = {}
+        for i, (tm, arg) in enumerate(zip(maps, self.fn.args[len(kernel.params) + len(kernel.sizes):], strict=True)):
+            arg.name = hopper.tensor_map_param(i)
+            self.tensor_maps[tm] = arg
         self.fn.calling_convention = "ptx_kernel"
         self.fn.attributes.add("nounwind")
         md = module.add_named_metadata("nvvm.annotations")  # LLVM ≥ 21 upgrades these to "nvvm.reqntid"
@@ -306,7 +343,7 @@ class _Lowering(LoweringBase):
             a = self.b.alloca(reg_type(dt), name=f"r.{name}")
             a.type = ir.PointerType()
             self.slots[name] = a
-        for size, arg in zip(k.sizes, self.fn.args[len(k.params):], strict=True):
+        for size, arg in zip(k.sizes, self.fn.args[len(k.params):len(k.params) + len(k.sizes)], strict=True):
             arg.name = size.var.name
             if size.var.name in self.slots:  # a size the body reads
                 self.b.store(arg, self.slots[size.var.name])
@@ -330,12 +367,13 @@ class _Lowering(LoweringBase):
     # -- structure ---------------------------------------------------------------------------
     def _static_shared(self, k: Kernel) -> None:
         """One internal ``.shared`` array per buffer (up to 48 KiB in all)."""
+        align = shared_alignment(k)
         for s in k.shared:
             ty = ir.ArrayType(mem_type(s.dtype), s.size)
             g = ir.GlobalVariable(self.module, ty, f"{k.name}.{s.name}", addrspace=SHARED)
             g.linkage = "internal"
             g.initializer = ir.Constant(ty, ir.Undefined)  # .shared memory cannot be initialised
-            g.align = 16
+            g.align = align.get(s.name, 16)
             g.type = ir.PointerType(addrspace=SHARED)
             self.buffers[s.name] = (s, g)
 
@@ -343,7 +381,7 @@ class _Lowering(LoweringBase):
         """Shared buffers as slices of the kernel's ``extern .shared`` array (over 48 KiB)."""
         arr = ir.GlobalVariable(self.module, ir.ArrayType(I8, 0), f"{k.name}_dynamic_shared", addrspace=SHARED)
         arr.linkage = "external"
-        arr.align = 16
+        arr.align = max([16, *shared_alignment(k).values()])
         arr.type = ir.PointerType(addrspace=SHARED)
         offsets, _ = _shared_offsets(k)
         for s, off in zip(k.shared, offsets, strict=True):
@@ -375,6 +413,14 @@ class _Lowering(LoweringBase):
             tc.cp_async(self, s)
         elif isinstance(s, CpAsyncCommit | CpAsyncWait):
             tc.cp_async_group(self, s)
+        elif isinstance(s, Wgmma):
+            hopper.wgmma(self, s)
+        elif isinstance(s, WgmmaFence | WgmmaCommit | WgmmaWait):
+            hopper.wgmma_sync(self, s)
+        elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
+            hopper.mbarrier(self, s)
+        elif isinstance(s, TmaLoad):
+            hopper.tma_load(self, s)
         elif isinstance(s, PairDot):
             raise self._fail("a pair dot is the CPU's bf16 instruction (AVX-512-BF16); GPU kernels multiply bf16 "
                              "with mma.sync")

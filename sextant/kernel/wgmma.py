@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sextant.kernel.ir import For, If, Stmt, TmaLoad
+
 WARPGROUP = 128  # threads
 WGMMA_M = 64
 SWIZZLES = (0, 32, 64, 128)  # bytes; 0 is the interleaved (unswizzled) core-matrix layout
@@ -118,3 +120,42 @@ def tma_box_offset(r: int, c: int, box_cols: int, itemsize: int, swizzle: int) -
     box row-major, each row ``box_cols·itemsize`` bytes, then the swizzle."""
     return swizzle_address((r * box_cols + c) * itemsize, swizzle)
 
+
+
+# -- tensor maps ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorMap:
+    """What a ``TmaLoad`` needs the runtime to encode (``cuTensorMapEncodeTiled``) and pass as a
+    128-byte ``__grid_constant__`` kernel parameter: global buffer ``src`` viewed as a
+    ``shape`` (rows, cols) matrix with rows ``stride`` elements apart, copied in ``box`` tiles with
+    the ``swizzle``; out-of-bounds elements read as zero."""
+
+    src: str
+    shape: tuple[int, int]
+    stride: int
+    box: tuple[int, int]
+    swizzle: int
+
+
+def tensor_map_of(s: TmaLoad) -> TensorMap:
+    """The tensor map a ``TmaLoad`` statement reads through."""
+    return TensorMap(s.src, s.shape, s.stride, s.box, s.swizzle)
+
+
+def kernel_tensor_maps(body: tuple[Stmt, ...]) -> tuple[TensorMap, ...]:
+    """The distinct tensor maps of a kernel body, in order of first use: the kernel's trailing
+    parameters, after its buffers and sizes."""
+    out: dict[TensorMap, None] = {}
+
+    def walk(stmts: tuple[Stmt, ...]) -> None:
+        for s in stmts:
+            if isinstance(s, TmaLoad):
+                out.setdefault(tensor_map_of(s))
+            elif isinstance(s, For):
+                walk(s.body)
+            elif isinstance(s, If):
+                walk(s.then)
+                walk(s.orelse)
+
+    walk(body)
+    return tuple(out)

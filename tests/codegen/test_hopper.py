@@ -14,7 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from sextant.codegen import compile_kernels
+from sextant.codegen import CodegenError, compile_kernels
+from sextant.codegen.llvm_nvptx import emit_ptx
 from sextant.codegen.race_check import MbarrierHangError
 from sextant.graph.dtypes import DType
 from sextant.kernel import wgmma as wg
@@ -140,11 +141,11 @@ def gemm_tile_kernel(n: int, k: int, dt: DType, swizzle: int, *, rows: int = 64,
     row = add(add(mul(warp, c(16)), g), mul(_op("bitwise_and", _op("shr", i, 1), 1), c(8)))
     col = add(add(mul(_op("shr", i, 2), c(8)), mul(t, c(2))), _op("bitwise_and", i, 1))
     body: tuple[Stmt, ...] = (
-        For(i, c(0), c(n // 2), 1, (Store("acc", i, Const(0.0, F32)),)),
+        For(i, c(0), c(n // 2), 1, (Store("acc", i, Const(0.0, F32)),), unroll=True),
         If(is_thread0(), (MbarrierInit("bar", c(0), 1),)),
         Barrier(),
         loop,
-        For(i, c(0), c(n // 2), 1, (Store("D", add(mul(row, c(n)), col), Load("acc", i, F32)),)),
+        For(i, c(0), c(n // 2), 1, (Store("D", add(mul(row, c(n)), col), Load("acc", i, F32)),), unroll=True),
     )
     return Kernel(f"wg_tile_{n}_{k}_{dt.value}_{swizzle}_{rows}", (Buffer("A", dt, rows * k), Buffer("B", dt, n * k),
                                                                   Buffer("D", F32, 64 * n, role="out")),
@@ -257,3 +258,37 @@ def test_verifier_rejects_misuse() -> None:
     for message, bad in cases.items():
         with pytest.raises(KernelVerificationError, match=message):
             verify_kernel(bad)
+
+
+# -- NVPTX for sm_90a -------------------------------------------------------------------------------
+def test_sm90a_ptx_assembles_without_spills_or_serialised_wgmma() -> None:
+    from sextant.codegen.ptxas import assemble
+    from sextant.codegen.sass import disassemble, find_disassembler
+
+    kernels = [gemm_tile_kernel(*case[:4], rows=case[4]) for case in TILE_CASES]
+    pm = emit_ptx(kernels, arch="sm_90a")
+    for text in ("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16",
+                 "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned 0",
+                 "mbarrier.init.shared.b64", "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity",
+                 "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                 "fence.proxy.async.shared::cta", ".align 1024"):
+        assert text in pm.ptx, text
+    assert ".param .align 64 .b8" in pm.ptx  # the tensor map, by value in the parameter space ...
+    assert "cvta.param" in pm.ptx and ".local" not in pm.ptx  # ... never copied to local memory
+    k0 = pm.kernel(kernels[0].name)
+    assert [tm.src for tm in k0.tensor_maps] == ["A", "B"] and k0.tensor_maps[0].box == (64, 64)
+    res = assemble(pm.ptx, "sm_90a")
+    assert "C7512" not in res.log and "serialized" not in res.log, res.log  # wgmmas not serialised
+    for name, r in res.kernels.items():
+        assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (name, r)
+    tool = find_disassembler()
+    if tool is None:
+        pytest.skip("no nvdisasm/cuobjdump to read the SASS")
+    sass = disassemble(res.cubin, tool)
+    assert "HGMMA.64x64x16.F32" in sass and "UTMALDG" in sass and "SYNCS" in sass
+
+
+def test_hopper_statements_need_sm90a() -> None:
+    with pytest.raises(CodegenError, match=r"Wgmma\w* needs sm_90a"):
+        emit_ptx([gemm_tile_kernel(64, 64, F16, 128)], arch="sm_90")
