@@ -3,8 +3,8 @@
 * **Wgmma**: A and B are in shared memory, visible to every thread, so no exchange is needed
   (unlike ``mma.sync``'s register fragments): each thread computes its own ``N/2``
   accumulators at the statement — row and column from ``kernel.wgmma.d_coord``, each operand
-  element read at the address its *descriptor* names (start + the canonical K-major layout,
-  then the swizzle applied to the address), as the hardware reads it. A schedule whose
+  element read at the address its *descriptor* names (start + the canonical K- or MN-major
+  layout, then the swizzle applied to the address), as the hardware reads it. A schedule whose
   descriptor, LBO/SBO or swizzle disagrees with how the tile was written gets wrong numbers
   here, as on the GPU. f16/bf16 products are exact in f32; they are added in k order.
   Computing at issue time equals the hardware's asynchronous result for programs that do not
@@ -32,7 +32,7 @@ from llvmlite import ir
 from sextant.codegen.scalar_math import I32, I64, mem_type
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import MbarrierArrive, MbarrierInit, MbarrierWait, SmemMatrix, TmaLoad, Wgmma
-from sextant.kernel.wgmma import CORE_BYTES, CORE_ROWS, WARPGROUP
+from sextant.kernel.wgmma import CORE_BYTES, CORE_ROWS, WARPGROUP, kmajor_offset, mnmajor_offset
 
 if TYPE_CHECKING:
     from sextant.codegen.llvm_cpu import _KernelLowering
@@ -49,16 +49,21 @@ def _c64(v: int) -> ir.Constant:
 # -- warpgroup MMA ---------------------------------------------------------------------------------
 def _operand_index(low: _KernelLowering, m: SmemMatrix, start: ir.Value, row: ir.Value, k: int,
                    size: int) -> ir.Value:
-    """The element of ``m.buffer`` holding operand element ``(row, k)`` (``start`` in bytes)."""
+    """The element of ``m.buffer`` holding operand element ``(row, k)`` (row: along M or N; ``start``
+    in bytes), by ``kernel.wgmma``'s layouts: the K part is a constant, the row part computed."""
     b, i32 = low.b, low._i32
-    group = b.mul(b.lshr(row, i32(3)), i32(m.sbo))
-    if m.swizzle == 0:
-        per = CORE_BYTES // size
-        inner = b.mul(b.and_(row, i32(CORE_ROWS - 1)), i32(CORE_BYTES))
-        addr = b.add(b.add(start, group), b.add(inner, i32((k // per) * m.lbo + (k % per) * size)))
-    else:
-        inner = b.mul(b.and_(row, i32(CORE_ROWS - 1)), i32(m.swizzle))
-        addr = b.add(b.add(start, group), b.add(inner, i32(k * size)))
+    if m.major == "k":
+        group = b.mul(b.lshr(row, i32(3)), i32(m.sbo))
+        inner = b.mul(b.and_(row, i32(CORE_ROWS - 1)), i32(m.swizzle or CORE_BYTES))
+        fixed = kmajor_offset(0, k, size, m.swizzle, m.lbo, m.sbo)
+    else:  # MN-major: the row runs along the contiguous 16-byte chunks (interleaved) or swizzle rows
+        per = (m.swizzle or CORE_BYTES) // size
+        shift = per.bit_length() - 1
+        group = b.mul(b.lshr(row, i32(shift)), i32(m.lbo if m.swizzle else m.sbo))
+        inner = b.mul(b.and_(row, i32(per - 1)), i32(size))
+        fixed = mnmajor_offset(0, k, size, m.swizzle, m.lbo, m.sbo)
+    addr = b.add(b.add(start, group), b.add(inner, i32(fixed)))
+    if m.swizzle:
         mask = m.swizzle // 16 - 1
         addr = b.xor(addr, b.shl(b.and_(b.lshr(addr, i32(7)), i32(mask)), i32(4)))
     return b.lshr(addr, i32(size.bit_length() - 1))

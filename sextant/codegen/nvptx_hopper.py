@@ -99,7 +99,7 @@ def wgmma(low: _Lowering, s: Wgmma) -> None:
     # scale-d is a predicate (1: D += A·B); the immediates: scale A, scale B, transpose A, transpose B
     asm = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${2 * n + 2}, 0;\n"
            f"wgmma.mma_async.sync.aligned.m64n{s.n}k16.f32.{kind}.{kind} {{{regs}}}, ${2 * n}, ${2 * n + 1}, "
-           "p, 1, 1, 0, 0;\n}")
+           f"p, 1, 1, {int(s.a.major == 'mn')}, {int(s.b.major == 'mn')};\n}}")
     cons = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["l", "l", "r"])
     fnty = ir.FunctionType(ir.LiteralStructType([F32] * n), [F32] * n + [I64, I64, I32])
     res = b.call(ir.InlineAsm(fnty, asm, cons, side_effect=True), [*accs, da, db, low._i32(1)])

@@ -275,16 +275,18 @@ PAIR_DOT_LANES = (4, 8, 16)  # 128-, 256- and 512-bit vectors of f32
 # -- Hopper (sm_90a): warpgroup MMA fed by TMA, mbarriers ------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SmemMatrix:
-    """A ``wgmma`` operand in shared memory, as its matrix descriptor describes it: K-major, the
-    descriptor's start address at element ``offset`` of ``buffer``; ``swizzle`` 0 (interleaved 8×16-byte
-    core matrices, ``lbo`` bytes apart along K) or 32/64/128 bytes (8-row atoms); ``sbo`` bytes between
-    8-row groups (``sextant.kernel.wgmma`` has the layouts)."""
+    """A ``wgmma`` operand in shared memory, as its matrix descriptor describes it: K-major (or
+    MN-major, ``major="mn"``), the descriptor's start address at element ``offset`` of ``buffer``;
+    ``swizzle`` 0 (interleaved 8×16-byte core matrices) or 32/64/128 bytes (8-row atoms); ``lbo`` and
+    ``sbo`` the descriptor's leading- and stride-dimension byte offsets (``sextant.kernel.wgmma`` has
+    the layouts)."""
 
     buffer: str
     offset: Expr
     swizzle: int = 128
     lbo: int = 0
     sbo: int = 1024
+    major: str = "k"  # "k": K contiguous; "mn": M (A) or N (B) contiguous, the instruction's transpose bit
 
 
 @dataclass(frozen=True, slots=True)

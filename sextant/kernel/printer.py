@@ -189,8 +189,9 @@ def _ref(buffer: str, index: Expr) -> str:
 
 
 def _smem(m: SmemMatrix) -> str:
-    lbo = f", lbo={m.lbo}" if m.swizzle == 0 else ""
-    return f"desc({_ref(m.buffer, m.offset)}, swizzle={m.swizzle}{lbo}, sbo={m.sbo})"
+    lbo = f", lbo={m.lbo}" if m.swizzle == 0 or m.major == "mn" else ""
+    major = ", mn-major" if m.major == "mn" else ""
+    return f"desc({_ref(m.buffer, m.offset)}, swizzle={m.swizzle}{lbo}, sbo={m.sbo}{major})"
 
 
 def print_stmt(s: Stmt, indent: int = 0) -> list[str]:

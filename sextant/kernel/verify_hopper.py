@@ -14,20 +14,26 @@ emulation's checked build), as they follow from the descriptor.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from sextant.graph.dtypes import DType
 from sextant.kernel.divergence import UNIFORM, WARP_UNIFORM
 from sextant.kernel.ir import (
+    Assign,
     Binary,
     Const,
     Expr,
+    For,
+    If,
     MbarrierArrive,
     MbarrierInit,
     MbarrierWait,
     SmemMatrix,
     Stmt,
     TmaLoad,
+    Var,
+    WarpReduce,
     Wgmma,
     WgmmaWait,
     stmt_operands,
@@ -40,12 +46,15 @@ if TYPE_CHECKING:
 MAX_TX = (1 << 20) - 1  # bytes one phase of an mbarrier can expect
 
 
-def known_multiple(e: Expr) -> int:
-    """The largest number ``e`` is surely a multiple of (0 for the constant 0), from its form."""
+def known_multiple(e: Expr, regs: Mapping[str, int] | None = None) -> int:
+    """The largest number ``e`` is surely a multiple of (0 for the constant 0), from its form and
+    what ``regs`` knows of the registers it reads."""
     if isinstance(e, Const):
         return abs(int(e.value))
+    if isinstance(e, Var) and regs is not None:
+        return regs.get(e.name, 1)
     if isinstance(e, Binary):
-        a, b = known_multiple(e.a), known_multiple(e.b)
+        a, b = known_multiple(e.a, regs), known_multiple(e.b, regs)
         if e.op == "mul":
             return a * b
         if e.op in ("add", "sub"):
@@ -55,8 +64,41 @@ def known_multiple(e: Expr) -> int:
     return 1
 
 
-def _aligned(e: Expr, itemsize: int, align: int) -> bool:
-    m = known_multiple(e) * itemsize
+def register_multiples(body: tuple[Stmt, ...]) -> dict[str, int]:
+    """For each register, a number every value assigned to it is a multiple of (a loop variable: of
+    its start and step): optimistic at first, lowered to the gcd of what is assigned until stable."""
+    assigns: list[tuple[str, Expr | None, int]] = []
+
+    def walk(stmts: tuple[Stmt, ...]) -> None:
+        for s in stmts:
+            if isinstance(s, Assign):
+                assigns.append((s.var.name, s.value, 0))
+            elif isinstance(s, WarpReduce):
+                assigns.append((s.var.name, None, 1))
+            elif isinstance(s, For):
+                assigns.append((s.var.name, s.start, abs(s.step)))
+                walk(s.body)
+            elif isinstance(s, If):
+                walk(s.then)
+                walk(s.orelse)
+
+    walk(body)
+    regs: dict[str, int] = {name: 0 for name, _, _ in assigns}
+    changed = True
+    while changed:
+        changed = False
+        for name, value, step in assigns:
+            m = math.gcd(regs[name], math.gcd(step, 1 if value is None else known_multiple(value, regs)))
+            if m != regs[name]:
+                regs[name], changed = m, True
+    return regs
+
+
+def _aligned(v: _Verifier, e: Expr, itemsize: int, align: int) -> bool:
+    regs = getattr(v, "register_multiples", None)
+    if regs is None:
+        regs = v.register_multiples = register_multiples(v.k.body)  # type: ignore[attr-defined]
+    m = known_multiple(e, regs) * itemsize
     return m == 0 or m % align == 0
 
 
@@ -106,8 +148,8 @@ def _wgmma(v: _Verifier, s: Wgmma, control: tuple[_Control, ...]) -> None:
                       "thread of the warpgroup must execute it")
             break
     level, reason = v.div.level_of(s.d_off, s.a.offset, s.b.offset)
-    if level > UNIFORM:
-        v.fail(s, f"wgmma offsets must be the same in every thread, but they {reason}")
+    if level > WARP_UNIFORM:  # (the divergence lattice has no warpgroup level: each warpgroup its own tile rows)
+        v.fail(s, f"wgmma offsets must be the same in every thread of a warp(group), but they {reason}")
     if not wgmma_n_ok(s.n):
         v.fail(s, f"wgmma N={s.n!r} (a multiple of 8 from 8 to 256)")
     d = v.buffers.get(s.d)
@@ -123,12 +165,14 @@ def _operand(v: _Verifier, s: Stmt, which: str, m: SmemMatrix) -> DType | None:
     if b is None or b.space != "shared" or b.dtype not in (DType.f16, DType.bf16):
         v.fail(s, f"wgmma {which} must be an f16 or bf16 shared buffer, not {m.buffer!r}")
         return None
+    if m.major not in ("k", "mn"):
+        v.fail(s, f"wgmma {which}: major {m.major!r} (\"k\" or \"mn\")")
     if m.swizzle not in SWIZZLES:
         v.fail(s, f"wgmma {which}: swizzle {m.swizzle!r} bytes (one of {SWIZZLES})")
     for name, val in (("lbo", m.lbo), ("sbo", m.sbo)):
         if not isinstance(val, int) or val < 0 or val % 16 or val >= 1 << 18:
             v.fail(s, f"wgmma {which}: {name}={val!r} is not a multiple of 16 below 2^18 (held >> 4)")
-    if not _aligned(m.offset, b.dtype.itemsize, 16):
+    if not _aligned(v, m.offset, b.dtype.itemsize, 16):
         v.fail(s, f"wgmma {which}: the descriptor's start (element {m.offset}) is not surely 16-byte aligned")
     return b.dtype
 
@@ -157,5 +201,5 @@ def _tma(v: _Verifier, s: TmaLoad) -> None:
     elif s.swizzle and bc * size != s.swizzle:
         v.fail(s, f"TMA box rows of {bc * size} bytes must fill the {s.swizzle}-byte swizzle span")
     align = SWIZZLE_ALIGN if s.swizzle else 128
-    if not _aligned(s.dst_off, size, align):
+    if not _aligned(v, s.dst_off, size, align):
         v.fail(s, f"TMA destination (element {s.dst_off}) is not surely {align}-byte aligned")

@@ -15,8 +15,9 @@ of 4); warp ``w`` of it holds rows ``16w … 16w+15`` of the 64-row result. In e
 row ``16w + g + 8·((i >> 1) & 1)``, column ``8·(i >> 2) + 2t + (i & 1)``: the m16n8 C layout
 repeated over the ``N/8`` column blocks.
 
-**Shared-memory operands (K-major).** A is 64×K, B is N×K (B's columns, "K-major": for
-``x @ W.T`` the weight as it is stored). Both are read through a 64-bit *matrix descriptor*:
+**Shared-memory operands.** A is 64×K, B is N×K (B's columns, "K-major": for ``x @ W.T`` the
+weight as it is stored) — or MN-major (the instruction's transpose bit: ``x @ W`` with ``W``
+stored K×N, see :func:`mnmajor_offset`). Both are read through a 64-bit *matrix descriptor*:
 start address, leading- and stride-dimension byte offsets (LBO, SBO) and a swizzle mode.
 
 * No swizzle ("interleaved"): the matrix is tiled into *core matrices* of 8 rows × 16 bytes,
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sextant.kernel.ir import For, If, Stmt, TmaLoad
+from sextant.kernel.ir import For, If, SmemMatrix, Stmt, TmaLoad
 
 WARPGROUP = 128  # threads
 WGMMA_M = 64
@@ -91,6 +92,24 @@ def kmajor_offset(row: int, k: int, itemsize: int, swizzle: int, lbo: int, sbo: 
         per = CORE_BYTES // itemsize  # elements in a core-matrix row
         return (row // CORE_ROWS) * sbo + (k // per) * lbo + (row % CORE_ROWS) * CORE_BYTES + (k % per) * itemsize
     return (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * swizzle + k * itemsize
+
+
+def mnmajor_offset(mn: int, k: int, itemsize: int, swizzle: int, lbo: int, sbo: int) -> int:
+    """The same for an MN-major operand (``transpose`` bit set: M or N contiguous — B of ``x @ W`` with
+    ``W`` stored ``K × N``). Interleaved: core matrices of 8 K-rows × 16 bytes along MN, the next along
+    MN ``sbo`` bytes away and along K ``lbo``; swizzled: rows of ``swizzle`` bytes along MN, one per K,
+    8 K-rows an atom, atoms along K ``sbo`` apart and along MN ``lbo`` apart (LBO and SBO trade roles)."""
+    if swizzle == 0:
+        per = CORE_BYTES // itemsize
+        return (mn // per) * sbo + (k // CORE_ROWS) * lbo + (k % CORE_ROWS) * CORE_BYTES + (mn % per) * itemsize
+    per = swizzle // itemsize
+    return (mn // per) * lbo + (k // CORE_ROWS) * sbo + (k % CORE_ROWS) * swizzle + (mn % per) * itemsize
+
+
+def operand_offset(mn: int, k: int, itemsize: int, m: SmemMatrix) -> int:
+    """Byte offset (unswizzled) of element ``(mn, k)`` of operand ``m`` from its start address."""
+    fn = kmajor_offset if m.major == "k" else mnmajor_offset
+    return fn(mn, k, itemsize, m.swizzle, m.lbo, m.sbo)
 
 
 def swizzle_address(addr: int, swizzle: int) -> int:

@@ -625,11 +625,17 @@ def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, n
 from sextant.schedule.gpu_conv import gpu_conv_kernel  # noqa: E402  (built from GemmTiles above)
 from sextant.schedule.gpu_mma import gpu_mma_matmul_kernel, uses_tensor_cores  # noqa: E402
 from sextant.schedule.gpu_tf32 import gpu_tf32_matmul_kernel, uses_tf32  # noqa: E402
+from sextant.schedule.gpu_wgmma import gpu_wgmma_matmul_kernel, uses_wgmma  # noqa: E402
 
 
 def gpu_matmul(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    """Tensor cores for f16/bf16 on sm_80+ (``gpu_mma``) and for f32 when tf32 is allowed
+    """Warpgroup MMAs fed by TMA for f16/bf16 on sm_90a when the operands allow (``gpu_wgmma``),
+    tensor cores for f16/bf16 on sm_80+ (``gpu_mma``) and for f32 when tf32 is allowed
     (``gpu_tf32``), else the CUDA-core tiled GEMM (exact fp32)."""
+    if uses_wgmma(group, target):
+        kernel = gpu_wgmma_matmul_kernel(group, stored, target, name)
+        if kernel is not None:
+            return kernel
     if uses_tensor_cores(group, target):
         return gpu_mma_matmul_kernel(group, stored, target, name)
     if uses_tf32(group, target):

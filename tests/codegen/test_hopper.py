@@ -107,7 +107,7 @@ def test_kmajor_layouts() -> None:
 
 # -- a one-block GEMM tile through TMA, mbarrier and wgmma ------------------------------------------
 def gemm_tile_kernel(n: int, k: int, dt: DType, swizzle: int, *, rows: int = 64, skip_arrive: bool = False,
-                     wrong_parity: bool = False) -> Kernel:
+                     wrong_parity: bool = False, b_mn: bool = False) -> Kernel:
     """D (64×n, f32) = A (rows×k, rows ≤ 64: TMA zero-fills the rest) · Bᵀ (B n×k): each 64-wide
     K tile is loaded by TMA (one 64×64 box, 128-byte swizzle; or, unswizzled, 8 boxes of 8 columns
     = the interleaved core-matrix layout), awaited on an mbarrier whose phase flips every tile,
@@ -126,6 +126,11 @@ def gemm_tile_kernel(n: int, k: int, dt: DType, swizzle: int, *, rows: int = 64,
         loads = [TmaLoad(buf, c(j * rows_ * 8), src, c(0), add(mul(kt, c(64)), c(8 * j)), (rows_, 8),
                          (rows_src, k), k, 0, "bar", c(0))
                  for buf, src, rows_, rows_src in (("sA", "A", 64, rows), ("sB", "B", n, n)) for j in range(8)]
+    if b_mn:  # B stored K×N: 64-column boxes of 64 K-rows, 128-byte rows along N (MN-major, LBO between boxes)
+        assert swizzle == 128 and n % 64 == 0
+        b_desc = lambda kk: SmemMatrix("sB", c(kk * 16 * 64), 128, 64 * 128, 1024, "mn")
+        loads = loads[:1] + [TmaLoad("sB", c(j * 64 * 64), "B", mul(kt, c(64)), c(64 * j), (64, 64), (k, n), n, 128,
+                                     "bar", c(0)) for j in range(n // 64)]
     issue = [] if skip_arrive else [MbarrierArrive("bar", c(0), tx)]
     parity = _op("bitwise_and", add(kt, c(1 if wrong_parity else 0)), 1)
     mmas = [Wgmma(n, "acc", c(0), a_desc(kk), b_desc(kk)) for kk in range(4)]
@@ -147,28 +152,30 @@ def gemm_tile_kernel(n: int, k: int, dt: DType, swizzle: int, *, rows: int = 64,
         loop,
         For(i, c(0), c(n // 2), 1, (Store("D", add(mul(row, c(n)), col), Load("acc", i, F32)),), unroll=True),
     )
-    return Kernel(f"wg_tile_{n}_{k}_{dt.value}_{swizzle}_{rows}", (Buffer("A", dt, rows * k), Buffer("B", dt, n * k),
-                                                                  Buffer("D", F32, 64 * n, role="out")),
+    name = f"wg_tile_{n}_{k}_{dt.value}_{swizzle}_{rows}{'_mn' if b_mn else ''}"
+    return Kernel(name, (Buffer("A", dt, rows * k), Buffer("B", dt, n * k), Buffer("D", F32, 64 * n, role="out")),
                   (1, 1, 1), (128, 1, 1), body,
                   shared=(Buffer("sA", dt, 64 * 64, "shared"), Buffer("sB", dt, n * 64, "shared"),
                           Buffer("bar", I64, 1, "shared")),
                   local=(Buffer("acc", F32, n // 2, "local"),))
 
 
-TILE_CASES = [(64, 128, F16, 128, 64), (128, 64, BF16, 128, 64), (32, 192, F16, 0, 64), (64, 64, F16, 128, 50),
-              (16, 64, BF16, 0, 37)]
+TILE_CASES = [(64, 128, F16, 128, 64, False), (128, 64, BF16, 128, 64, False), (32, 192, F16, 0, 64, False),
+              (64, 64, F16, 128, 50, False), (16, 64, BF16, 0, 37, False), (128, 128, F16, 128, 64, True),
+              (64, 64, BF16, 128, 33, True)]
 
 
-@pytest.mark.parametrize("case", TILE_CASES, ids=lambda cs: f"n{cs[0]}k{cs[1]}{cs[2].value}sw{cs[3]}r{cs[4]}")
+@pytest.mark.parametrize("case", TILE_CASES,
+                         ids=lambda cs: f"n{cs[0]}k{cs[1]}{cs[2].value}sw{cs[3]}r{cs[4]}{'mn' if cs[5] else ''}")
 def test_wgmma_tile_on_cuda_sim_matches_torch(case: tuple) -> None:
-    n, k, dt, swizzle, rows = case
-    kern = gemm_tile_kernel(n, k, dt, swizzle, rows=rows)
+    n, k, dt, swizzle, rows, b_mn = case
+    kern = gemm_tile_kernel(n, k, dt, swizzle, rows=rows, b_mn=b_mn)
     verify_kernel(kern)
     gen = torch.Generator().manual_seed(3)
     A = torch.randn(rows, k, generator=gen).to(TORCH[dt])
     B = torch.randn(n, k, generator=gen).to(TORCH[dt])
     D = torch.full((64, n), float("nan"))
-    compile_kernels([kern], check_races=True).launch(kern.name, [A, B, D])
+    compile_kernels([kern], check_races=True).launch(kern.name, [A, B.T.contiguous() if b_mn else B, D])
     ref = torch.zeros(64, n, dtype=torch.float64)
     ref[:rows] = A.double() @ B.double().T
     torch.testing.assert_close(D.double(), ref, atol=1e-4, rtol=1e-4)
@@ -265,10 +272,10 @@ def test_sm90a_ptx_assembles_without_spills_or_serialised_wgmma() -> None:
     from sextant.codegen.ptxas import assemble
     from sextant.codegen.sass import disassemble, find_disassembler
 
-    kernels = [gemm_tile_kernel(*case[:4], rows=case[4]) for case in TILE_CASES]
+    kernels = [gemm_tile_kernel(*case[:4], rows=case[4], b_mn=case[5]) for case in TILE_CASES]
     pm = emit_ptx(kernels, arch="sm_90a")
     for text in ("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16",
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16",
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16", "p, 1, 1, 0, 1;",
                  "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned 0",
                  "mbarrier.init.shared.b64", "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity",
                  "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",

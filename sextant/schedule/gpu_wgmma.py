@@ -1,0 +1,247 @@
+"""Hopper GEMM: f16/bf16 matmuls on sm_90a as warpgroup MMAs fed by TMA.
+
+The first rung of the ladder the issue describes (``wgmma`` + TMA, no warp specialisation yet):
+
+* **One block per ``BM × BN`` tile of C**, ``BM/64`` warpgroups of 128 threads; warpgroup ``w``
+  owns rows ``64w …`` and keeps its ``BN/2`` f32 accumulators per thread in registers
+  (``kernel.wgmma.d_coord`` says which element each is).
+* **A ring of ``S`` shared-memory stages**, each holding a ``BM × 64`` tile of A and a ``BN × 64``
+  tile of B, written by TMA with the 128-byte swizzle — one 128-byte row per tile row, 8-row atoms
+  of 1024 bytes — and read by wgmma through descriptors of the same swizzle (``SBO`` = 1024, the K
+  steps of 16 elements 32 bytes apart within the row). B's *columns* are its rows there when B is
+  ``Wᵀ`` of a stored ``N × K`` weight (K-major, as wgmma reads it); a B stored ``K × N`` (``x @ W``)
+  is copied as ``BN/64`` boxes of 64 K-rows × 64 columns and read MN-major (the transpose bit;
+  ``LBO`` = one box, the K steps 16 rows apart). Elements past the matrix edges arrive as zeros
+  (TMA's bounds), so ragged M, N and K need no guard in the main loop.
+* **One mbarrier per stage**: thread 0 arrives on it announcing the stage's bytes and issues the
+  two TMA copies; every thread waits for the phase of parity ``(kt / S) & 1`` before its wgmmas.
+* **The K loop**: wait for stage ``kt``; fence; ``BK/16`` wgmmas; commit; wait until at most one
+  group is in flight (iteration ``kt-1``'s products are done, so its stage is free); a block
+  barrier (every warpgroup is done with it); thread 0 refills that stage with tile ``kt+S-1``. The
+  copies of ``S-1`` tiles are in flight while the tensor cores work on the current one.
+* **The epilogue** (bias, activation, residual, cast) runs per accumulator at the row and column
+  the D layout gives it, guarded at the edges.
+
+Used when the target is ``sm_90a`` and both operands are plain row-major views TMA can describe
+(A ``M × K``; B ``K × N`` or ``Wᵀ`` of an ``N × K`` W; 16-byte aligned row strides, offset 0,
+static sizes); anything
+else keeps the ``mma.sync`` GEMM (``gpu_mma``), which sm_90a runs as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.graph.symbolic import is_symbolic
+from sextant.kernel.ir import (
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    If,
+    Kernel,
+    Load,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
+    SmemMatrix,
+    Store,
+    TmaLoad,
+    Var,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaFence,
+    WgmmaWait,
+)
+from sextant.kernel.sizes import with_grid
+from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
+from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
+from sextant.schedule.gpu_mma import TC_DTYPES, half_product
+from sextant.schedule.indexing import c, divisible, iadd, idiv, imod, imul
+from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc, sm_version
+from sextant.schedule.views import strided_view
+
+BK = 64  # one 128-byte swizzled row of f16/bf16
+SWIZZLE = 128
+ATOM = 1024  # bytes: 8 rows of 128
+
+
+@dataclass(frozen=True)
+class WgTile:
+    """A block tile ``bm × bn`` (``bm/64`` warpgroups), ``stages`` shared-memory stages of ``BK``."""
+
+    bm: int
+    bn: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.bm // WGMMA_M * WARPGROUP
+
+    def shared_bytes(self, itemsize: int = 2) -> int:
+        return self.stages * (self.bm + self.bn) * BK * itemsize + 8 * self.stages
+
+    def meta(self) -> dict:
+        return {"tile": (self.bm, self.bn, BK), "warpgroups": self.bm // WGMMA_M, "stages": self.stages}
+
+
+# 128×128 with 4 stages (128 KiB) is the usual Hopper starting point (CUTLASS's default for fp16);
+# one warpgroup of 64 rows for problems whose M is small.
+CANDIDATES = (WgTile(128, 128, 4), WgTile(64, 128, 4))
+
+
+def is_sm90a(target: TargetDesc) -> bool:
+    return target.is_gpu and sm_version(target) == 90 and target.name.endswith("a")
+
+
+@dataclass(frozen=True)
+class TmaSource:
+    """A GEMM operand as a TMA tensor map sees it: ``rows × cols`` of buffer ``name``, rows ``stride``
+    elements apart; ``k_major``: K along the columns (else along the rows: B stored K×N)."""
+
+    name: str
+    rows: int
+    cols: int
+    stride: int
+    k_major: bool = True
+
+
+def _tma_source(x: Node, buffers: dict[int, str], mn_axis: int, k_axis: int, mn_major_ok: bool) -> TmaSource | None:
+    """``x`` (2-D) as a TMA source: a view of a buffer at offset 0 with one contiguous axis — K, or
+    (``mn_major_ok``) M/N — and a 16-byte-aligned stride along the other."""
+    if len(x.shape) != 2 or is_symbolic(x.shape):
+        return None
+    view = strided_view(x, buffers)
+    if view is None or view.offset != 0:
+        return None
+    for inner, outer, k_major in ((k_axis, mn_axis, True), (mn_axis, k_axis, False)):
+        stride = view.strides[outer]
+        if (view.strides[inner] == 1 and (k_major or mn_major_ok) and stride >= x.shape[inner]
+                and (stride * x.dtype.itemsize) % 16 == 0):
+            return TmaSource(buffers[id(view.buffer)], int(x.shape[outer]), int(x.shape[inner]), stride, k_major)
+    return None
+
+
+def wgmma_sources(group: Group, buffers: dict[int, str]) -> tuple[TmaSource, TmaSource] | None:
+    """A (K-major) and B (either) as TMA sources, or None."""
+    mm = group.anchor
+    a, b = mm.inputs
+    sa, sb = _tma_source(a, buffers, 0, 1, False), _tma_source(b, buffers, 1, 0, True)  # b is K×N
+    return (sa, sb) if sa is not None and sb is not None else None
+
+
+def uses_wgmma(group: Group, target: TargetDesc) -> bool:
+    """The group's matmul runs on the Hopper GEMM below (its operands checked when it is built)."""
+    mm = group.anchor
+    return (is_sm90a(target) and half_product(mm, target) and mm.inputs[0].dtype in TC_DTYPES
+            and len(mm.shape) == 2 and not is_symbolic(mm.shape) and not is_symbolic(mm.inputs[0].shape))
+
+
+def choose_wg_tile(m: int, n: int) -> WgTile:
+    return CANDIDATES[1] if m <= WGMMA_M else CANDIDATES[0]
+
+
+def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
+    """The matmul group as a wgmma + TMA GEMM, or None when its operands are not TMA-describable."""
+    mm = group.anchor
+    a, b = mm.inputs
+    m, k = (int(d) for d in a.shape)
+    n = int(b.shape[-1])
+    dt = a.dtype
+    e, params, _ = setup_kernel(group, stored)
+    sources = wgmma_sources(group, e.buffers)
+    if sources is None:
+        return None
+    src_a, src_b = sources
+    tile = choose_wg_tile(m, n)
+    S, bm_, bn_ = tile.stages, tile.bm, tile.bn
+    size = dt.itemsize
+    a_stage, b_stage = bm_ * BK, bn_ * BK  # elements per stage
+    tx = (bm_ + bn_) * BK * size
+    grid, (bn, bm, _) = _grid(e, (-(-n // bn_), -(-m // bm_), 1))
+    i0, j0 = e.bind(imul(bm, bm_), "i0"), e.bind(imul(bn, bn_), "j0")
+    k_tiles = -(-k // BK)
+    t = TID_X
+    wg = e.bind(idiv(t, WARPGROUP), "wg")
+    first = _bool("eq", t, c(0))
+    zero = Const(0.0, DType.f32)
+    _strided_loop(e, c(0), bn_ // 2, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
+
+    row_elems = SWIZZLE // size  # elements in one swizzled 128-byte row
+
+    def issue(kt: Expr) -> list:
+        """Thread 0's part: announce the stage's bytes, copy tile ``kt`` of A and B into it (B stored
+        K×N: ``BN / 64`` boxes of 64 K-rows × 64 columns, one after the other)."""
+        st = imod(kt, S)
+        k0 = imul(kt, BK)
+        loads = [MbarrierArrive("bar", st, tx),
+                 TmaLoad("sA", imul(st, a_stage), src_a.name, i0, k0, (bm_, BK), (src_a.rows, src_a.cols),
+                         src_a.stride, SWIZZLE, "bar", st)]
+        if src_b.k_major:
+            loads.append(TmaLoad("sB", imul(st, b_stage), src_b.name, j0, k0, (bn_, BK), (src_b.rows, src_b.cols),
+                                 src_b.stride, SWIZZLE, "bar", st))
+        else:
+            loads += [TmaLoad("sB", iadd(imul(st, b_stage), c(j * BK * row_elems)), src_b.name, k0,
+                              iadd(j0, c(j * row_elems)), (BK, row_elems), (src_b.rows, src_b.cols), src_b.stride,
+                              SWIZZLE, "bar", st) for j in range(bn_ // row_elems)]
+        return loads
+
+    e.emit(If(first, tuple(MbarrierInit("bar", c(s), 1) for s in range(S))))
+    e.emit(Barrier())
+    prologue = [x for p in range(min(S - 1, k_tiles)) for x in issue(c(p))]
+    e.emit(If(first, tuple(prologue)))
+
+    def k_tile(kt: Var) -> None:
+        st = e.bind(imod(kt, S), "st")
+        e.emit(MbarrierWait("bar", st, imod(idiv(kt, S), 2)))
+        e.emit(WgmmaFence())
+        a_base = e.bind(iadd(imul(st, a_stage), imul(wg, WGMMA_M * BK)), "sa")
+        b_base = e.bind(imul(st, b_stage), "sb")
+        for kk in range(BK // 16):
+            if src_b.k_major:
+                b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk)), SWIZZLE, 0, ATOM)
+            else:  # 16 K-rows of 128 bytes per step; the next 64 columns of N one box (BK rows) on
+                b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk * row_elems)), SWIZZLE, BK * SWIZZLE, ATOM, "mn")
+            e.emit(Wgmma(bn_, "acc", c(0), SmemMatrix("sA", iadd(a_base, c(16 * kk)), SWIZZLE, 0, ATOM), b_op))
+        e.emit(WgmmaCommit())
+        e.emit(WgmmaWait(1, ("acc",)))
+        e.emit(Barrier())  # every warpgroup is done with stage kt-1: refill it with tile kt+S-1
+        nxt = iadd(kt, c(S - 1))
+        cond = _and([first, _bool("lt", nxt, c(k_tiles))])
+        assert cond is not None
+        e.emit(If(cond, tuple(issue(nxt))))
+
+    _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
+    e.emit(WgmmaWait(0, ("acc",)))
+
+    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+        e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
+        store_epilogue(e, group, (row, col))
+        e.regs.pop(id(mm))
+
+    lane = imod(t, 32)
+    g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
+    wrow = e.bind(iadd(i0, iadd(imul(wg, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
+
+    def element(i: Var) -> None:
+        half = Binary("shr", i, c(1), DType.i32)
+        row = e.bind(iadd(iadd(wrow, g), imul(imod(half, 2), 8)), "row")
+        col = e.bind(iadd(j0, iadd(imul(Binary("shr", i, c(2), DType.i32), 8), iadd(q, imod(i, 2)))), "col")
+        guard = _and([_bool("lt", v, c(lim)) for v, lim, sz in ((row, m, bm_), (col, n, bn_))
+                      if not divisible(lim, sz)])
+        _guarded(e, guard, lambda: epilogue(row, col, Load("acc", i, DType.f32)))
+
+    _strided_loop(e, c(0), bn_ // 2, 1, element, "ci", unroll=True)
+    shared = [Buffer("sA", dt, S * a_stage, "shared"), Buffer("sB", dt, S * b_stage, "shared"),
+              Buffer("bar", DType.i64, S, "shared")]
+    _check_shared(name, shared, target)
+    meta = {"mapping": "wgmma-tma", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}"}
+    kernel = Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
+                    local=(Buffer("acc", DType.f32, bn_ // 2, "local"),), meta=meta)
+    return with_grid(kernel, grid)
