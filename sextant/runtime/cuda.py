@@ -45,6 +45,8 @@ import torch
 from sextant.errors import SextantError
 from sextant.runtime.cuda_graph import PER_CALL_KINDS, LaunchSpec, ParamBlock, plan
 from sextant.runtime.extern import run_extern
+from sextant.runtime.tensor_maps import MapSlot, kernel_map_slots
+from sextant.runtime.tensor_maps import encode as encode_map
 from sextant.schedule.program import CollectiveCall, Launch, Program
 
 ALIGN = 16  # bytes; every kernel parameter must be this aligned (the PTX uses 128-bit accesses)
@@ -245,8 +247,16 @@ class CudaRunner:
         # buffers' addresses, then the kernel's sizes (an i32 parameter reads the low 4 bytes of its
         # 8-byte slot: little-endian, as every CUDA host is)
         self._blocks = [ParamBlock([self._fixed.get(b, 0) for b in s.args] +
-                                   [self._sizes[z.name] for z in program.kernels[s.kernel].sizes])
+                                   [self._sizes[z.name] for z in program.kernels[s.kernel].sizes],
+                                   len(kernel_map_slots(program.kernels[s.kernel])))
                         for s in self.plan.launches]
+        # TMA tensor maps: per buffer, the (launch, map) slots encoding its address; fixed ones now
+        self._maps: dict[int, list[tuple[int, MapSlot]]] = {}
+        for li, s in enumerate(self.plan.launches):
+            for slot in kernel_map_slots(program.kernels[s.kernel]):
+                self._maps.setdefault(s.args[slot.param], []).append((li, slot))
+        for b, address in self._fixed.items():
+            self._encode_maps(b, address)
         self._bound: dict[int, int] = {}  # per-call buffer -> address its parameter blocks hold now
         self._graph: list[Any] | None = None  # per segment (a run of kernels, or None for an extern call)
         self._exec: list[Any] | None = None
@@ -396,13 +406,20 @@ class CudaRunner:
         return x
 
     def _rebind(self, addresses: dict[int, int]) -> list[int]:
-        """Write the new per-call addresses into the parameter blocks; the launches that changed."""
+        """Write the new per-call addresses into the parameter blocks (and the tensor maps over those
+        buffers); the launches that changed."""
         changed = [b for b, a in addresses.items() if self._bound.get(b) != a]
         for b in changed:
             for li, slot in self.plan.bindings.get(b, ()):
                 self._blocks[li].set(slot, addresses[b])
+            self._encode_maps(b, addresses[b])
             self._bound[b] = addresses[b]
         return self.plan.affected(changed)
+
+    def _encode_maps(self, buffer: int, address: int) -> None:
+        """The tensor maps reading ``buffer``, encoded at ``address``, into their launches' blocks."""
+        for li, slot in self._maps.get(buffer, ()):
+            self._blocks[li].set_blob(slot.index, encode_map(self._drv, slot, address))
 
     def _run_launches(self, addresses: dict[int, int], stream: int, tensors: dict[int, torch.Tensor]) -> None:
         self._rebind(addresses)

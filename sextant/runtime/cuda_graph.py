@@ -153,15 +153,23 @@ def topological_orders_ok(order: Sequence[int], deps: Sequence[Sequence[int]]) -
 
 class ParamBlock:
     """A launch's kernel parameters as the driver wants them: ``void**``, one pointer per parameter
-    pointing at that parameter's value (here a device address)."""
+    pointing at that parameter's value (here a device address) — then, for a kernel with TMA loads,
+    ``blobs`` pointers at 128-byte tensor maps (``runtime.tensor_maps``), passed by value."""
 
-    def __init__(self, addresses: Sequence[int]) -> None:
+    def __init__(self, addresses: Sequence[int], blobs: int = 0) -> None:
         n = max(1, len(addresses))
         self.values = (ctypes.c_void_p * n)(*addresses)
         base = ctypes.addressof(self.values)
         step = ctypes.sizeof(ctypes.c_void_p)
-        self.pointers = (ctypes.c_void_p * n)(*[base + k * step for k in range(n)])
-        self.count = len(addresses)
+        self.blobs = [(ctypes.c_uint64 * 16)() for _ in range(blobs)]
+        self.pointers = (ctypes.c_void_p * (n + blobs))(*[base + k * step for k in range(n)],
+                                                         *[ctypes.addressof(b) for b in self.blobs])
+        if not addresses and blobs:  # no scalar parameter: the blobs come first
+            self.pointers = (ctypes.c_void_p * blobs)(*[ctypes.addressof(b) for b in self.blobs])
+        self.count = len(addresses) + blobs
+
+    def set_blob(self, index: int, data: bytes) -> None:
+        ctypes.memmove(self.blobs[index], data, min(len(data), ctypes.sizeof(self.blobs[index])))
 
     @property
     def address(self) -> int:

@@ -829,7 +829,10 @@ def snippet_dist_graph() -> str:
 
 
 def snippet_dist_schedule() -> str:
-    return _relative(_parallel_block().stages["program"].describe())
+    """Scheduled for the pinned docs CPU (the compiled one is this host's: its block counts vary)."""
+    from sextant.schedule.program import schedule
+
+    return _relative(schedule(_parallel_block().stages["program"].graph, DOCS_CPU).describe())
 
 
 def snippet_bf16_pair_kernel() -> str:

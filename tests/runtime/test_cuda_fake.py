@@ -30,6 +30,7 @@ from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.cpu import CpuModule
 from sextant.runtime.cuda import CudaError, CudaRunner, CudaUnavailableError, SymbolicCudaRunner, require_cuda
 from sextant.runtime.cuda_graph import ParamBlock, plan, topological_orders_ok
+from sextant.runtime.tensor_maps import kernel_map_slots
 from sextant.schedule.program import Program, schedule
 from sextant.schedule.target import sm90_target
 
@@ -54,6 +55,12 @@ class FakeDriver:
     CUDA_KERNEL_NODE_PARAMS = cuda_driver.CUDA_KERNEL_NODE_PARAMS
     CUstream = cuda_driver.CUstream
     CUfunction_attribute = cuda_driver.CUfunction_attribute
+    CUtensorMapDataType = cuda_driver.CUtensorMapDataType
+    cuuint64_t, cuuint32_t = cuda_driver.cuuint64_t, cuda_driver.cuuint32_t
+    CUtensorMapInterleave = cuda_driver.CUtensorMapInterleave
+    CUtensorMapSwizzle = cuda_driver.CUtensorMapSwizzle
+    CUtensorMapL2promotion = cuda_driver.CUtensorMapL2promotion
+    CUtensorMapFloatOOBfill = cuda_driver.CUtensorMapFloatOOBfill
 
     def __init__(self, program: Program, cpu: CpuModule, seed: int = 0, fail: dict[str, object] | None = None) -> None:
         self.program = program
@@ -67,6 +74,7 @@ class FakeDriver:
         self.ctx_stack: list[object] = [None]  # the calling thread's context stack (top: current)
         self.retained = 0  # primary-context references held through this driver
         self.shared_limits: dict[str, int] = {}  # kernel -> dynamic shared memory it was allowed
+        self.maps_checked = 0  # tensor maps found matching their launch's buffers
 
     def _call(self, name: str) -> object | None:
         self.calls.append(name)
@@ -187,6 +195,25 @@ class FakeDriver:
         self.calls.append("cuModuleUnload")
         return (OK,)
 
+    def cuTensorMapEncodeTiled(self, dtype: object, rank: int, address: int, dims: list, strides: list, box: list,
+                               elem_strides: list, interleave: object, swizzle: object, l2: object,
+                               oob: object) -> tuple:
+        """A tensor map whose 16 words are what it was built from (a real one is opaque), checked
+        against the driver's documented requirements."""
+        u64, u32 = cuda_driver.cuuint64_t, cuda_driver.cuuint32_t
+        for xs, kind in ((dims, u64), (strides, u64), (box, u32), (elem_strides, u32)):
+            assert all(isinstance(x, kind) for x in xs)  # the real bindings refuse plain ints
+        dims, strides, box, elem_strides = ([int(x) for x in xs] for xs in (dims, strides, box, elem_strides))
+        assert rank == 2 and len(dims) == 2 and len(strides) == 1 and len(box) == 2 and elem_strides == [1, 1]
+        assert address % 16 == 0 and strides[0] % 16 == 0 and all(1 <= b <= 256 for b in box)
+        assert oob == cuda_driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros past the edges
+        swz = {cuda_driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE: 0,
+               cuda_driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B: 128}[swizzle]
+        tmap = cuda_driver.CUtensorMap()
+        tmap.opaque = [address, *dims, *strides, *box, swz] + [0] * 9
+        self.calls.append("cuTensorMapEncodeTiled")
+        return OK, tmap
+
     def cuFuncSetAttribute(self, f: object, attr: object, value: int) -> tuple:
         assert attr == cuda_driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.shared_limits[self.names[int(f)]] = value
@@ -211,10 +238,20 @@ class FakeDriver:
                         self._read_params(name, p.kernelParams))
 
     def _read_params(self, name: str, address: int) -> list[int]:
+        """Buffers' addresses, then the sizes (copied, as the driver does); the tensor maps after them
+        are checked to describe the buffers they are bound to, at this launch's addresses."""
         kernel = self.program.kernels[name]
         n = len(kernel.params) + len(kernel.sizes)  # buffers' addresses, then the sizes
-        slots = (ctypes.c_void_p * n).from_address(address)
-        return [ctypes.c_void_p.from_address(slots[k]).value or 0 for k in range(n)]
+        maps = kernel_map_slots(kernel)
+        slots = (ctypes.c_void_p * (n + len(maps))).from_address(address)
+        values = [ctypes.c_void_p.from_address(slots[k]).value or 0 for k in range(n)]
+        for slot in maps:
+            words = list((ctypes.c_uint64 * 16).from_address(slots[n + slot.index]))
+            (rows, cols), (br, bc), size = slot.spec.shape, slot.spec.box, slot.dtype.itemsize
+            assert words[:7] == [values[slot.param], cols, rows, slot.spec.stride * size, bc, br, slot.spec.swizzle], (
+                name, slot, words[:7])
+            self.maps_checked += 1
+        return values
 
     def _run(self, node: FakeNode) -> None:
         name = self.names[node.func]
@@ -589,3 +626,29 @@ def test_buffer_updates_write_in_place_through_cuda_graphs(use_graph: bool) -> N
         torch.testing.assert_close(compiled(x, pos), eager(x, pos))
         torch.testing.assert_close(model.k, eager.k)
     assert compiled.full_write_backs == 0
+
+
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_tma_kernels_get_tensor_maps_of_each_calls_buffers(use_graph: bool) -> None:
+    """An sm_90a program's wgmma GEMMs take tensor maps: encoded for the weights once, re-encoded when
+    a call brings new input tensors (and the graph node updated with them); results match eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).half()
+    x = torch.randn(96, 64).half()
+    graph = run_pipeline(capture(model, (x,)))
+    from sextant.schedule.target import gpu_target
+
+    program = schedule(graph, gpu_target("sm_90a"))
+    kernels = list(program.kernels.values())
+    assert sum(k.meta.get("mapping") == "wgmma-tma" for k in kernels) == 2
+    fake = FakeDriver(program, compile_kernels(kernels))
+    runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90a").ptx, arch="sm_90a", device="cpu",
+                        driver=fake, use_graph=use_graph)
+    compiled = CompiledModule(graph, "cuda", runner, device="cpu")
+    for _ in range(3):
+        fresh = torch.randn(96, 64).half()
+        with torch.no_grad():
+            expected = model.float()(fresh.float())
+        torch.testing.assert_close(compiled(fresh).float(), expected, atol=3e-2, rtol=3e-2)
+    assert fake.maps_checked >= 2 * 2 * (1 if use_graph else 3)  # two maps per GEMM, each launch or node
+    assert fake.calls.count("cuTensorMapEncodeTiled") >= 4 + 2  # the weights' once, the inputs' per new tensor
