@@ -225,9 +225,13 @@ def describe_program(compiled: sextant.CompiledModule, row: Row) -> None:
     program: its MMA kernels' registers and spills, split-K rewrites, a PTX the driver JIT-compiled."""
     program = compiled.stages["program"]
     row.kernels = f"{len(program.launches)} ({len(program.kernels)})"
-    mma = [k for k in program.kernels.values() if "tensor-core" in k.meta.get("mapping", "")]
+    mma = [k for k in program.kernels.values() if "tensor-core" in k.meta.get("mapping", "")
+           or k.meta.get("mapping") == "wgmma-tma"]
     if mma:
         row.kernels += f", {len(mma)} tensor-core"
+        wgmma = sum(k.meta.get("mapping") == "wgmma-tma" for k in mma)
+        if wgmma:
+            row.kernels += f" ({wgmma} wgmma+TMA)"
         res = compiled.stages.get("ptxas")
         if res is not None and getattr(res, "kernels", None):
             used = [res.kernels[k.name] for k in mma if k.name in res.kernels]
@@ -240,6 +244,9 @@ def describe_program(compiled: sextant.CompiledModule, row: Row) -> None:
     runner = compiled.stages.get("runner")
     if runner is not None and getattr(runner, "image", "cubin") != "cubin":
         row.notes.append("PTX JIT-compiled by the driver" + (" (cubin refused)" if runner.cubin_error else ""))
+
+
+ARCH: str | None = None  # --arch: the GPU architecture to compile for (default: the device's, sm_90 on Hopper)
 
 
 def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, torch.Tensor] | None:
@@ -256,7 +263,8 @@ def run_case(case: Case, dry_run: bool, row: Row) -> tuple[nn.Module, tuple, tor
         sm, sargs = _cast(cpu_model, cpu_args, case.dtype, "cpu")
         t0 = time.perf_counter()
         dynamic = case.dynamic() if case.dynamic is not None else None
-        compiled = sextant.compile(sm, sargs, target=target, cache=False, dynamic_shapes=dynamic)  # stages read below
+        compiled = sextant.compile(sm, sargs, target=target, cache=False, dynamic_shapes=dynamic,  # stages read below
+                                   **({"arch": ARCH} if ARCH else {}))
         if dynamic is not None:
             row.notes.append("one program for batch ≤ 8, seq ≤ 1024" if "program" in compiled.stages else
                              f"compiled per binding: {compiled.stages.get('per_binding')}")
@@ -583,7 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: tiny sizes through target='cuda-sim'")
     ap.add_argument("--out", type=Path, help="also write the table here")
+    ap.add_argument("--arch", help="compile for this architecture, e.g. sm_90a (Hopper's wgmma + TMA GEMMs); "
+                                   "default: the device's")
     opts = ap.parse_args(argv)
+    global ARCH
+    ARCH = opts.arch
     if not opts.dry_run and not torch.cuda.is_available():
         print("gpu_bench: no CUDA GPU (torch.cuda.is_available() is False); use --dry-run to check the "
               "benchmark's CPU-side steps", file=sys.stderr)
@@ -595,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     for_inductor: list[tuple[Case, tuple]] = []  # each case's runner's result, for its torch.compile runner
     out_paths = [opts.out] if opts.out else []
     if os.environ.get("OUT"):
-        out_paths.append(Path(os.environ["OUT"]) / "gpu_bench.md")
+        out_paths.append(Path(os.environ["OUT"]) / (f"gpu_bench_{opts.arch}.md" if opts.arch else "gpu_bench.md"))
 
     def report(final: bool) -> str:
         """The table so far, written to the output files after every case (a killed run keeps its rows)."""
