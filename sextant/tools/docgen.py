@@ -852,7 +852,51 @@ def snippet_bf16_pair_kernel() -> str:
     return "\n".join(head + ["  ..."] + lines[start:start + 9] + ["        ..."] + lines[end - 4:end + 1])
 
 
+@functools.cache
+def _hopper_linear():  # an fp16 Linear + GELU (200 rows, 136 -> 72: ragged everywhere) for sm_90a, through cuda-sim
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(136, 72), nn.GELU()).half().eval()
+    return sextant.compile(model, (torch.randn(200, 136).half(),), target="cuda-sim", arch="sm_90a", cache=False)
+
+
+def snippet_hopper_kernel() -> str:
+    """The wgmma + TMA GEMM's kernel IR: prologue, the K loop, the start of the epilogue."""
+    from sextant.kernel.printer import print_kernel
+
+    lines = print_kernel(next(iter(_hopper_linear().stages["program"].kernels.values()))).splitlines()
+    loop = next(i for i, ln in enumerate(lines) if ln.strip().startswith("for (kt"))
+    end = next(i for i in range(loop, len(lines)) if lines[i] == "  }")
+    return "\n".join([*lines[:loop], *lines[loop:end + 2], "  ..."])
+
+
+def snippet_hopper_ptx() -> str:
+    """The K loop's PTX: the mbarrier wait, the wgmmas, the wait that ties the accumulators, the refill."""
+    from sextant.codegen.llvm_nvptx import ptx_entries
+
+    lines = ptx_entries(_hopper_linear().stages["ptx"].ptx)["matmul_0"].splitlines()
+    keep = ("mbarrier", "wgmma", "cp.async.bulk", "bar.sync", ".param .align", "fence.proxy")
+    out = []
+    for ln in lines:
+        if any(k in ln for k in keep):
+            text = ln.strip()
+            if text.startswith("wgmma.mma_async"):  # 64 accumulator registers: shortened
+                head, _, rest = text.partition("{")
+                regs, _, tail = rest.partition("}")
+                names = regs.split(", ")
+                text = f"{head}{{{', '.join(names[:3])}, ..., {names[-1]}}}{tail}"
+            out.append("\t" + text)
+    return "\n".join(out)
+
+
+def snippet_hopper_ptxas() -> str:
+    log = _hopper_linear().stages["ptxas"].log.strip().splitlines()
+    return "\n".join(line for line in log if "Compile time" not in line)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
+    "hopper-kernel": snippet_hopper_kernel,
+    "hopper-ptx": snippet_hopper_ptx,
+    "hopper-ptxas": snippet_hopper_ptxas,
     "bf16-pair-kernel": snippet_bf16_pair_kernel,
     "train-stats": snippet_train_stats,
     "train-forward-return": snippet_train_forward_return,
