@@ -62,11 +62,16 @@ def _operand_index(low: _KernelLowering, m: SmemMatrix, start: ir.Value, row: ir
         group = b.mul(b.lshr(row, i32(shift)), i32(m.lbo if m.swizzle else m.sbo))
         inner = b.mul(b.and_(row, i32(per - 1)), i32(size))
         fixed = mnmajor_offset(0, k, size, m.swizzle, m.lbo, m.sbo)
-    addr = b.add(b.add(start, group), b.add(inner, i32(fixed)))
-    if m.swizzle:
-        mask = m.swizzle // 16 - 1
-        addr = b.xor(addr, b.shl(b.and_(b.lshr(addr, i32(7)), i32(mask)), i32(4)))
+    addr = _swizzled(low, b.add(b.add(start, group), b.add(inner, i32(fixed))), m.swizzle)
     return b.lshr(addr, i32(size.bit_length() - 1))
+
+
+def _swizzled(low: _KernelLowering, addr: ir.Value, swizzle: int) -> ir.Value:
+    """``kernel.wgmma.swizzle_address`` in LLVM IR: the 16-byte chunk bits XOR the row bits."""
+    if not swizzle:
+        return addr
+    b, i32 = low.b, low._i32
+    return b.xor(addr, b.shl(b.and_(b.lshr(addr, i32(7)), i32(swizzle // 16 - 1)), i32(4)))
 
 
 def wgmma(low: _KernelLowering, s: Wgmma) -> None:
@@ -105,7 +110,6 @@ def tma_load(low: _KernelLowering, s: TmaLoad) -> None:
     (box_rows, box_cols), (rows, cols) = s.box, s.shape
     dst0, row0, col0 = low._value(s.dst_off), low._value(s.row), low._value(s.col)
     zero = low.math.to_mem(low.math.const(0, dt), dt)
-    mask = s.swizzle // 16 - 1 if s.swizzle else 0
 
     def box_row(r: ir.Value) -> None:
         gr = b.add(row0, r)
@@ -116,9 +120,7 @@ def tma_load(low: _KernelLowering, s: TmaLoad) -> None:
             ok = b.and_(row_ok, b.and_(b.icmp_signed(">=", gc, i32(0)), b.icmp_signed("<", gc, i32(cols))))
             src = b.select(ok, b.add(b.mul(gr, i32(s.stride)), gc), i32(0))
             v = b.load(low._elem_ptr(s.src, low._load_index(s.src, src))[1], typ=mem_type(dt))
-            addr = b.mul(b.add(b.mul(r, i32(box_cols)), c), i32(size))
-            if mask:
-                addr = b.xor(addr, b.shl(b.and_(b.lshr(addr, i32(7)), i32(mask)), i32(4)))
+            addr = _swizzled(low, b.mul(b.add(b.mul(r, i32(box_cols)), c), i32(size)), s.swizzle)
             dst = b.add(dst0, b.lshr(addr, i32(size.bit_length() - 1)))
             b.store(b.select(ok, v, zero), low._elem_ptr(s.dst, low._store_index(s.dst, dst))[1])
 

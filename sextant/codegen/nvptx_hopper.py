@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
+from sextant.codegen.nvptx_tensor_core import call_intrinsic
 from sextant.codegen.scalar_math import I1, I16, I32, I64
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
@@ -41,7 +42,7 @@ from sextant.kernel.ir import (
     WgmmaFence,
     WgmmaWait,
 )
-from sextant.kernel.wgmma import _MODE, tensor_map_of
+from sextant.kernel.wgmma import descriptor, tensor_map_of
 
 if TYPE_CHECKING:
     from sextant.codegen.llvm_nvptx import _Lowering
@@ -61,13 +62,6 @@ def _check(low: _Lowering, s: object) -> None:
         raise low._fail(f"{type(s).__name__} needs {need}; this module is compiled for {arch}")
 
 
-def _call(low: _Lowering, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-    fn = low.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(low.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return low.b.call(fn, args)
-
-
 def _shared(low: _Lowering, name: str, index: ir.Value) -> ir.Value:
     """An ``addrspace(3)`` pointer to ``name[index]``."""
     return low._elem_ptr(name, index)[1]
@@ -78,7 +72,7 @@ def _descriptor(low: _Lowering, m: SmemMatrix) -> ir.Value:
     b = low.b
     addr = b.ptrtoint(_shared(low, m.buffer, low._value(m.offset)), I64)
     start = b.lshr(b.and_(addr, ir.Constant(I64, 0x3FFFF)), ir.Constant(I64, 4))
-    fixed = ((m.lbo >> 4) & 0x3FFF) << 16 | ((m.sbo >> 4) & 0x3FFF) << 32 | _MODE[m.swizzle] << 62
+    fixed = descriptor(0, m.swizzle, m.lbo, m.sbo)  # every field but the start address
     return b.or_(start, ir.Constant(I64, fixed - (1 << 64) if fixed >= 1 << 63 else fixed))
 
 
@@ -110,15 +104,15 @@ def wgmma(low: _Lowering, s: Wgmma) -> None:
 def wgmma_sync(low: _Lowering, s: WgmmaFence | WgmmaCommit | WgmmaWait) -> None:
     _check(low, s)
     if isinstance(s, WgmmaFence):
-        _call(low, "llvm.nvvm.wgmma.fence.sync.aligned", ir.VoidType(), [])
+        call_intrinsic(low, "llvm.nvvm.wgmma.fence.sync.aligned", ir.VoidType(), [])
         return
     if isinstance(s, WgmmaCommit):
-        _call(low, "llvm.nvvm.wgmma.commit_group.sync.aligned", ir.VoidType(), [])
+        call_intrinsic(low, "llvm.nvvm.wgmma.commit_group.sync.aligned", ir.VoidType(), [])
         return
     b = low.b
     ptrs = [p for name in s.accs for p in _acc_ptrs(low, name, low._i32(0), low.kernel.buffer(name).size)]
     if not ptrs:
-        _call(low, "llvm.nvvm.wgmma.wait_group.sync.aligned", ir.VoidType(), [ir.Constant(I64, s.pending)])
+        call_intrinsic(low, "llvm.nvvm.wgmma.wait_group.sync.aligned", ir.VoidType(), [ir.Constant(I64, s.pending)])
         return
     n = len(ptrs)
     fnty = ir.FunctionType(ir.LiteralStructType([F32] * n), [F32] * n)
@@ -135,18 +129,18 @@ def mbarrier(low: _Lowering, s: MbarrierInit | MbarrierArrive | MbarrierWait) ->
     b = low.b
     bar = _shared(low, s.bar, low._value(s.index))
     if isinstance(s, MbarrierInit):
-        _call(low, "llvm.nvvm.mbarrier.init.shared", ir.VoidType(), [bar, low._i32(s.count)])
-        _call(low, "llvm.nvvm.fence.proxy.async.shared_cta", ir.VoidType(), [])  # TMA (async proxy) sees it
+        call_intrinsic(low, "llvm.nvvm.mbarrier.init.shared", ir.VoidType(), [bar, low._i32(s.count)])
+        call_intrinsic(low, "llvm.nvvm.fence.proxy.async.shared_cta", ir.VoidType(), [])  # TMA (async proxy) sees it
         return
     if isinstance(s, MbarrierArrive):
-        _call(low, "llvm.nvvm.mbarrier.arrive.expect.tx.scope.cta.space.cta", I64, [bar, low._i32(s.tx)])
+        call_intrinsic(low, "llvm.nvvm.mbarrier.arrive.expect.tx.scope.cta.space.cta", I64, [bar, low._i32(s.tx)])
         return
     parity = b.and_(low._value(s.parity), low._i32(1))
     wait = low.fn.append_basic_block("mbar.wait")
     done = low.fn.append_basic_block("mbar.done")
     b.branch(wait)
     b.position_at_end(wait)
-    ok = _call(low, "llvm.nvvm.mbarrier.try.wait.parity.scope.cta.space.cta", I1, [bar, parity])
+    ok = call_intrinsic(low, "llvm.nvvm.mbarrier.try.wait.parity.scope.cta.space.cta", I1, [bar, parity])
     b.cbranch(ok, done, wait)
     b.position_at_end(done)
 
@@ -160,7 +154,7 @@ def tma_load(low: _Lowering, s: TmaLoad) -> None:
     bar = _shared(low, s.bar, low._value(s.bar_index))
     args = [dst, bar, tmap, low._value(s.col), low._value(s.row), ir.Constant(I16, 0), ir.Constant(I64, 0),
             ir.Constant(I1, 0), ir.Constant(I1, 0), low._i32(0)]
-    _call(low, "llvm.nvvm.cp.async.bulk.tensor.g2s.tile.2d", ir.VoidType(), args)
+    call_intrinsic(low, "llvm.nvvm.cp.async.bulk.tensor.g2s.tile.2d", ir.VoidType(), args)
 
 
 def tensor_map_param(index: int) -> str:

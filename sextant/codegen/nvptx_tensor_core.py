@@ -39,7 +39,8 @@ def check_arch(low: _Lowering, s: object) -> None:
         raise low._fail(f"{type(s).__name__} needs sm_{need} or newer; this module is compiled for {low.arch}")
 
 
-def _call(low: _Lowering, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+def call_intrinsic(low: _Lowering, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    """Call NVVM intrinsic ``name`` (declared on first use with the arguments' types)."""
     fn = low.module.globals.get(name)
     if fn is None:
         fn = ir.Function(low.module, ir.FunctionType(ret, [a.type for a in args]), name)
@@ -89,7 +90,7 @@ def mma(low: _Lowering, s: Mma) -> None:
         c = [b.load(_local(low, s.c, c_base, i)[0], typ=F32) for i in range(shape.c_elems)]
         sig, out = ("f32.f32" if ab == DType.f16 else shape.kind), [F32] * shape.c_elems
     name = f"llvm.nvvm.mma.{shape.ptx}.row.col.{sig}"
-    res = _call(low, name, ir.LiteralStructType(out), [*a, *bb, *c])
+    res = call_intrinsic(low, name, ir.LiteralStructType(out), [*a, *bb, *c])
     for r in range(len(out)):
         v = b.extract_value(res, r)
         if acc == DType.f16:
@@ -106,7 +107,7 @@ def ldmatrix(low: _Lowering, s: LdMatrix) -> None:
     _, src = low._elem_ptr(s.src, low._value(s.index))
     name = f"llvm.nvvm.ldmatrix.sync.aligned.m8n8.x{s.count}{'.trans' if s.trans else ''}.b16"
     ret = I32 if s.count == 1 else ir.LiteralStructType([I32] * s.count)
-    res = _call(low, name, ret, [src])
+    res = call_intrinsic(low, name, ret, [src])
     dst = low._value(s.dst_off)
     for j in range(s.count):
         word = res if s.count == 1 else b.extract_value(res, j)
@@ -130,15 +131,15 @@ def cp_async(low: _Lowering, s: CpAsync) -> None:
     _, src = low._elem_ptr(s.src, src_index)
     kind = "cg" if nbytes == 16 else "ca"
     if pred is None:
-        _call(low, f"llvm.nvvm.cp.async.{kind}.shared.global.{nbytes}", ir.VoidType(), [dst, src])
+        call_intrinsic(low, f"llvm.nvvm.cp.async.{kind}.shared.global.{nbytes}", ir.VoidType(), [dst, src])
     else:
         size = b.select(pred, low._i32(nbytes), low._i32(0))
-        _call(low, f"llvm.nvvm.cp.async.{kind}.shared.global.{nbytes}.s", ir.VoidType(), [dst, src, size])
+        call_intrinsic(low, f"llvm.nvvm.cp.async.{kind}.shared.global.{nbytes}.s", ir.VoidType(), [dst, src, size])
 
 
 def cp_async_group(low: _Lowering, s: CpAsyncCommit | CpAsyncWait) -> None:
     check_arch(low, s)
     if isinstance(s, CpAsyncCommit):
-        _call(low, "llvm.nvvm.cp.async.commit.group", ir.VoidType(), [])
+        call_intrinsic(low, "llvm.nvvm.cp.async.commit.group", ir.VoidType(), [])
     else:
-        _call(low, "llvm.nvvm.cp.async.wait.group", ir.VoidType(), [low._i32(s.pending)])
+        call_intrinsic(low, "llvm.nvvm.cp.async.wait.group", ir.VoidType(), [low._i32(s.pending)])

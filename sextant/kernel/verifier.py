@@ -150,12 +150,19 @@ class _Verifier:
         self.defined: set[str] = set(scalars)
         self.added: list[list[str]] = []
         self.exec: Exec | None = None  # compiled statements, shared by the witness searches
+        self.register_multiples: dict[str, int] | None = None  # for Hopper alignment checks, made on first use
         self.ranges: Ranges | None = None  # the bounds walk, for the path to an access
         self.clock = 0  # statements visited by the bounds walk
         self.written: dict[str, int] = {}  # register -> clock of its last assignment in the walk
         # searches that found no witness: (enclosing frames, index, elements) -> clock of the search
         self.fruitless: dict[tuple, int] = {}
         self.witness_budget = WITNESS_SEARCHES * MAX_WORK + WITNESS_WORK_PER_STATEMENT * statement_count(kernel.body)
+
+    @staticmethod
+    def varying(control: tuple[_Control, ...], allowed: int) -> _Control | None:
+        """The innermost enclosing ``If``/``For`` whose condition or bounds vary more between threads
+        than ``allowed`` (a divergence level), or None."""
+        return next((c for c in reversed(control) if c.level > allowed), None)
 
     def fail(self, where: Stmt | None, msg: str) -> None:
         self.errors.append(f"`{stmt_header(where)}`: {msg}" if where is not None else msg)
@@ -253,11 +260,10 @@ class _Verifier:
             verify_hopper.check(self, s, defined, control)
             return
         if isinstance(s, Barrier):
-            for c in reversed(control):
-                if c.level > UNIFORM:
-                    self.fail(s, f"barrier under thread-dependent control flow: `{c.header}` {c.reason}; "
-                                 "threads that skip it would deadlock the block")
-                    break
+            c = self.varying(control, UNIFORM)
+            if c is not None:
+                self.fail(s, f"barrier under thread-dependent control flow: `{c.header}` {c.reason}; "
+                             "threads that skip it would deadlock the block")
             return
         if isinstance(s, For):
             self.expr(s.start, s, defined)
@@ -303,11 +309,10 @@ class _Verifier:
             self.fail(s, f"warp reduction width {w!r} must be a power of two <= {WARP}")
         elif self.k.threads_per_block % w:
             self.fail(s, f"the block's {self.k.threads_per_block} threads do not fill groups of {w} lanes")
-        for c in reversed(control):
-            if c.level > WARP_UNIFORM:
-                self.fail(s, f"warp reduction under control flow that differs within a warp: `{c.header}` "
-                             f"{c.reason}; every lane of the warp must take part")
-                break
+        c = self.varying(control, WARP_UNIFORM)
+        if c is not None:
+            self.fail(s, f"warp reduction under control flow that differs within a warp: `{c.header}` "
+                         f"{c.reason}; every lane of the warp must take part")
 
     def pair_dot(self, s: PairDot, defined: set[str]) -> None:
         """A :class:`PairDot`: an f32 local accumulator, a bf16 B, bf16 A values, a vector width
@@ -370,11 +375,10 @@ class _Verifier:
         if self.k.threads_per_block % WARP:
             self.fail(s, f"a warp-level matrix operation needs full warps, but the block has "
                          f"{self.k.threads_per_block} threads")
-        for ctl in reversed(control):
-            if ctl.level > WARP_UNIFORM:
-                self.fail(s, f"warp-level matrix operation under control flow that differs within a warp: "
-                             f"`{ctl.header}` {ctl.reason}; every lane of the warp must execute it")
-                break
+        ctl = self.varying(control, WARP_UNIFORM)
+        if ctl is not None:
+            self.fail(s, f"warp-level matrix operation under control flow that differs within a warp: "
+                         f"`{ctl.header}` {ctl.reason}; every lane of the warp must execute it")
         offsets = (s.dst_off,) if isinstance(s, LdMatrix) else (s.d_off, s.a_off, s.b_off, s.c_off)
         level, reason = self.div.level_of(*offsets)
         if level > UNIFORM:

@@ -43,6 +43,7 @@ from sextant.kernel.wgmma import MAX_TMA_BOX, SWIZZLE_ALIGN, SWIZZLES, WARPGROUP
 if TYPE_CHECKING:
     from sextant.kernel.verifier import _Control, _Verifier
 
+
 MAX_TX = (1 << 20) - 1  # bytes one phase of an mbarrier can expect
 
 
@@ -95,10 +96,9 @@ def register_multiples(body: tuple[Stmt, ...]) -> dict[str, int]:
 
 
 def _aligned(v: _Verifier, e: Expr, itemsize: int, align: int) -> bool:
-    regs = getattr(v, "register_multiples", None)
-    if regs is None:
-        regs = v.register_multiples = register_multiples(v.k.body)  # type: ignore[attr-defined]
-    m = known_multiple(e, regs) * itemsize
+    if v.register_multiples is None:
+        v.register_multiples = register_multiples(v.k.body)
+    m = known_multiple(e, v.register_multiples) * itemsize
     return m == 0 or m % align == 0
 
 
@@ -122,12 +122,10 @@ def check(v: _Verifier, s: Stmt, defined: set[str], control: tuple[_Control, ...
             v.fail(s, f"an mbarrier expects 1 to {MAX_TX} arrivals, not {s.count!r}")
         if isinstance(s, MbarrierArrive) and not (isinstance(s.tx, int) and 0 <= s.tx <= MAX_TX):
             v.fail(s, f"an mbarrier phase expects 0 to {MAX_TX} transaction bytes, not {s.tx!r}")
-        if isinstance(s, MbarrierWait):
-            for c in reversed(control):
-                if c.level > UNIFORM:
-                    v.fail(s, f"mbarrier wait under thread-dependent control flow: `{c.header}` {c.reason}; "
-                              "every thread of the block waits (the CPU emulation runs it as a barrier)")
-                    break
+        c = v.varying(control, UNIFORM) if isinstance(s, MbarrierWait) else None
+        if c is not None:
+            v.fail(s, f"mbarrier wait under thread-dependent control flow: `{c.header}` {c.reason}; "
+                      "every thread of the block waits (the CPU emulation runs it as a barrier)")
     elif isinstance(s, TmaLoad):
         _tma(v, s)
 
@@ -142,11 +140,10 @@ def _wgmma(v: _Verifier, s: Wgmma, control: tuple[_Control, ...]) -> None:
     assert v.div is not None
     if v.k.threads_per_block % WARPGROUP:
         v.fail(s, f"a wgmma needs full warpgroups of {WARPGROUP} threads, but the block has {v.k.threads_per_block}")
-    for c in reversed(control):
-        if c.level > WARP_UNIFORM:
-            v.fail(s, f"wgmma under control flow that differs within a warp: `{c.header}` {c.reason}; every "
-                      "thread of the warpgroup must execute it")
-            break
+    c = v.varying(control, WARP_UNIFORM)
+    if c is not None:
+        v.fail(s, f"wgmma under control flow that differs within a warp: `{c.header}` {c.reason}; every "
+                  "thread of the warpgroup must execute it")
     level, reason = v.div.level_of(s.d_off, s.a.offset, s.b.offset)
     if level > WARP_UNIFORM:  # (the divergence lattice has no warpgroup level: each warpgroup its own tile rows)
         v.fail(s, f"wgmma offsets must be the same in every thread of a warp(group), but they {reason}")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sextant.kernel.ir import For, If, SmemMatrix, Stmt, TmaLoad
+from sextant.kernel.ir import For, If, Stmt, TmaLoad
 
 WARPGROUP = 128  # threads
 WGMMA_M = 64
@@ -45,31 +45,6 @@ _MODE = {0: 0, 128: 1, 64: 2, 32: 3}  # the descriptor's bits 62-63
 SWIZZLE_ALIGN = 1024  # bytes: a swizzled buffer's start (the pattern repeats every 8 rows of 128 B)
 CORE_ROWS, CORE_BYTES = 8, 16
 MAX_TMA_BOX = 256  # elements per box dimension
-
-
-@dataclass(frozen=True)
-class WgmmaShape:
-    """One ``wgmma.mma_async`` shape: ``m64nNk16`` (f16/bf16) with f32 accumulators."""
-
-    n: int
-    k: int = 16
-
-    @property
-    def m(self) -> int:
-        return WGMMA_M
-
-    @property
-    def d_elems(self) -> int:
-        """Accumulators per thread."""
-        return self.n // 2
-
-    @property
-    def ptx(self) -> str:
-        return f"m64n{self.n}k{self.k}"
-
-    def d_coord(self, thread: int, i: int) -> tuple[int, int]:
-        """``(row, col)`` of accumulator ``i`` of warpgroup thread ``thread`` (0–127)."""
-        return d_coord(thread, i)
 
 
 def d_coord(thread: int, i: int) -> tuple[int, int]:
@@ -105,11 +80,6 @@ def mnmajor_offset(mn: int, k: int, itemsize: int, swizzle: int, lbo: int, sbo: 
     per = swizzle // itemsize
     return (mn // per) * lbo + (k // CORE_ROWS) * sbo + (k % CORE_ROWS) * swizzle + (mn % per) * itemsize
 
-
-def operand_offset(mn: int, k: int, itemsize: int, m: SmemMatrix) -> int:
-    """Byte offset (unswizzled) of element ``(mn, k)`` of operand ``m`` from its start address."""
-    fn = kmajor_offset if m.major == "k" else mnmajor_offset
-    return fn(mn, k, itemsize, m.swizzle, m.lbo, m.sbo)
 
 
 def swizzle_address(addr: int, swizzle: int) -> int:

@@ -162,11 +162,9 @@ class ParamBlock:
         base = ctypes.addressof(self.values)
         step = ctypes.sizeof(ctypes.c_void_p)
         self.blobs = [(ctypes.c_uint64 * 16)() for _ in range(blobs)]
-        self.pointers = (ctypes.c_void_p * (n + blobs))(*[base + k * step for k in range(n)],
-                                                         *[ctypes.addressof(b) for b in self.blobs])
-        if not addresses and blobs:  # no scalar parameter: the blobs come first
-            self.pointers = (ctypes.c_void_p * blobs)(*[ctypes.addressof(b) for b in self.blobs])
-        self.count = len(addresses) + blobs
+        slots = [base + k * step for k in range(len(addresses))] + [ctypes.addressof(b) for b in self.blobs]
+        self.pointers = (ctypes.c_void_p * max(1, len(slots)))(*slots)
+        self.count = len(slots)
 
     def set_blob(self, index: int, data: bytes) -> None:
         ctypes.memmove(self.blobs[index], data, min(len(data), ctypes.sizeof(self.blobs[index])))

@@ -84,9 +84,6 @@ class WgTile:
     def threads(self) -> int:
         return self.bm // WGMMA_M * WARPGROUP
 
-    def shared_bytes(self, itemsize: int = 2) -> int:
-        return self.stages * (self.bm + self.bn) * BK * itemsize + 8 * self.stages
-
     def meta(self) -> dict:
         return {"tile": (self.bm, self.bn, BK), "warpgroups": self.bm // WGMMA_M, "stages": self.stages}
 
