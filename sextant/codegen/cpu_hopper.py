@@ -31,11 +31,12 @@ from llvmlite import ir
 
 from sextant.codegen.scalar_math import I32, I64, mem_type
 from sextant.graph.dtypes import DType
-from sextant.kernel.ir import MbarrierArrive, MbarrierInit, MbarrierWait, SmemMatrix, TmaLoad, Wgmma
-from sextant.kernel.wgmma import CORE_BYTES, CORE_ROWS, WARPGROUP, kmajor_offset, mnmajor_offset
+from sextant.kernel.ir import MbarrierArrive, MbarrierInit, MbarrierWait, RegMatrix, SmemMatrix, TmaLoad, Wgmma
+from sextant.kernel.wgmma import CORE_BYTES, CORE_ROWS, WARPGROUP, WGMMA_M, a_coord, kmajor_offset, mnmajor_offset
 
 if TYPE_CHECKING:
     from sextant.codegen.llvm_cpu import _KernelLowering
+    from sextant.codegen.simt import WgmmaStage
 
 COUNT_SHIFT, TX_SHIFT, PHASE_SHIFT = 20, 40, 63
 FIELD = (1 << 20) - 1
@@ -74,20 +75,52 @@ def _swizzled(low: _KernelLowering, addr: ir.Value, swizzle: int) -> ir.Value:
     return b.xor(addr, b.shl(b.and_(b.lshr(addr, i32(7)), i32(swizzle // 16 - 1)), i32(4)))
 
 
-def wgmma(low: _KernelLowering, s: Wgmma) -> None:
+def _a_slot_base(low: _KernelLowering) -> ir.Value:
+    """Where this thread's warpgroup's 64×16 register-A matrix starts in an exchange slot."""
+    return low.b.mul(low.b.lshr(low.ltid, low._i32(7)), low._i32(WGMMA_M * 16))
+
+
+def wgmma_stage(low: _KernelLowering, s: WgmmaStage) -> None:
+    """Publish this thread's 8 A elements at their ``kernel.wgmma.a_coord`` places."""
+    b, i32 = low.b, low._i32
+    a = s.wgmma.a
+    dt = low.kernel.buffer(a.buffer).dtype
+    thread = b.and_(low.ltid, i32(WARPGROUP - 1))
+    warp, lane = b.lshr(thread, i32(5)), b.and_(thread, i32(31))
+    g, t = b.lshr(lane, i32(2)), b.and_(lane, i32(3))
+    origin = b.add(_a_slot_base(low), b.mul(b.add(b.mul(warp, i32(16)), g), i32(16)))
+    base = low._value(a.offset)
+    for i in range(8):
+        row, k = a_coord(0, i)  # thread 0's: g = t = warp = 0
+        at = b.add(origin, b.add(i32(row * 16 + k), b.shl(t, i32(1))))
+        src = low._elem_ptr(a.buffer, low._load_index(a.buffer, b.add(base, i32(i))))[1]
+        b.store(b.load(src, typ=mem_type(dt)), low._elem_ptr(s.slot, at)[1])
+    if low.checker is not None:
+        low.checker.xchg_store(s.slot)
+
+
+def wgmma(low: _KernelLowering, s: Wgmma, a_slot: str | None = None) -> None:
+    """This thread's accumulators; a register A is read from ``a_slot`` (its ``WgmmaStage``)."""
     b, m, i32 = low.b, low.math, low._i32
     ab = low.kernel.buffer(s.a.buffer).dtype
     size, f32 = ab.itemsize, DType.f32
     thread = b.and_(low.ltid, i32(WARPGROUP - 1))
     warp, lane = b.lshr(thread, i32(5)), b.and_(thread, i32(31))
     g, t = b.lshr(lane, i32(2)), b.and_(lane, i32(3))
-    a_start = b.mul(low._value(s.a.offset), i32(size))
+    a_start = b.mul(low._value(s.a.offset), i32(size)) if isinstance(s.a, SmemMatrix) else _a_slot_base(low)
     b_start = b.mul(low._value(s.b.offset), i32(size))
     d_base = low._value(s.d_off)
+    if a_slot is not None and low.checker is not None:
+        low.checker.warp_converged(a_slot, f"wgmma {s.d}")
 
-    def load(mat: SmemMatrix, start: ir.Value, row: ir.Value, k: int) -> ir.Value:
-        idx = low._load_index(mat.buffer, _operand_index(low, mat, start, row, k, size))
-        return m.cast(m.from_mem(b.load(low._elem_ptr(mat.buffer, idx)[1], typ=mem_type(ab)), ab), ab, f32)
+    def load(mat: SmemMatrix | RegMatrix, start: ir.Value, row: ir.Value, k: int) -> ir.Value:
+        if isinstance(mat, RegMatrix):
+            assert a_slot is not None, "a register A is read through its WgmmaStage's slot"
+            ptr = low._elem_ptr(a_slot, b.add(start, b.add(b.mul(row, i32(16)), i32(k))))[1]
+        else:
+            index = _operand_index(low, mat, start, row, k, size)
+            ptr = low._elem_ptr(mat.buffer, low._load_index(mat.buffer, index))[1]
+        return m.cast(m.from_mem(b.load(ptr, typ=mem_type(ab)), ab), ab, f32)
 
     def element(i: ir.Value) -> None:
         row = b.add(b.add(b.mul(warp, i32(16)), g), b.shl(b.and_(b.lshr(i, i32(1)), i32(1)), i32(3)))
@@ -110,15 +143,20 @@ def tma_load(low: _KernelLowering, s: TmaLoad) -> None:
     (box_rows, box_cols), (rows, cols) = s.box, s.shape
     dst0, row0, col0 = low._value(s.dst_off), low._value(s.row), low._value(s.col)
     zero = low.math.to_mem(low.math.const(0, dt), dt)
+    plane, plane_ok = i32(0), ir.Constant(ir.IntType(1), 1)  # the matrix the outer coordinates pick
+    for x, (n, k) in zip(s.outer, s.outer_dims):
+        v = low._value(x)
+        plane_ok = b.and_(plane_ok, b.and_(b.icmp_signed(">=", v, i32(0)), b.icmp_signed("<", v, i32(n))))
+        plane = b.add(plane, b.mul(v, i32(k)))
 
     def box_row(r: ir.Value) -> None:
         gr = b.add(row0, r)
-        row_ok = b.and_(b.icmp_signed(">=", gr, i32(0)), b.icmp_signed("<", gr, i32(rows)))
+        row_ok = b.and_(plane_ok, b.and_(b.icmp_signed(">=", gr, i32(0)), b.icmp_signed("<", gr, i32(rows))))
 
         def box_col(c: ir.Value) -> None:
             gc = b.add(col0, c)
             ok = b.and_(row_ok, b.and_(b.icmp_signed(">=", gc, i32(0)), b.icmp_signed("<", gc, i32(cols))))
-            src = b.select(ok, b.add(b.mul(gr, i32(s.stride)), gc), i32(0))
+            src = b.select(ok, b.add(plane, b.add(b.mul(gr, i32(s.stride)), gc)), i32(0))
             v = b.load(low._elem_ptr(s.src, low._load_index(s.src, src))[1], typ=mem_type(dt))
             addr = _swizzled(low, b.mul(b.add(b.mul(r, i32(box_cols)), c), i32(size)), s.swizzle)
             dst = b.add(dst0, b.lshr(addr, i32(size.bit_length() - 1)))

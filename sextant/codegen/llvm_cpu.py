@@ -54,6 +54,8 @@ from sextant.codegen.simt import (
     SimtPlan,
     Sync,
     UniformFor,
+    WgmmaCompute,
+    WgmmaStage,
     XchgReduce,
     XchgStore,
     expr_loads,
@@ -565,6 +567,10 @@ class _KernelLowering(LoweringBase):
             pair_dot(self, s)
         elif isinstance(s, Wgmma):
             hopper.wgmma(self, s)
+        elif isinstance(s, WgmmaStage):
+            hopper.wgmma_stage(self, s)
+        elif isinstance(s, WgmmaCompute):
+            hopper.wgmma(self, s.wgmma, s.slot)
         elif isinstance(s, TmaLoad):
             hopper.tma_load(self, s)
         elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):

@@ -54,6 +54,7 @@ from sextant.kernel.ir import (
     MbarrierWait,
     Mma,
     PairDot,
+    SmemMatrix,
     Special,
     Stmt,
     TmaLoad,
@@ -259,7 +260,8 @@ def shared_alignment(k: Kernel) -> dict[str, int]:
             need(s.dst, SWIZZLE_ALIGN if s.swizzle else 128)
         elif isinstance(s, Wgmma):
             for m in (s.a, s.b):
-                need(m.buffer, SWIZZLE_ALIGN if m.swizzle else 16)
+                if isinstance(m, SmemMatrix):
+                    need(m.buffer, SWIZZLE_ALIGN if m.swizzle else 16)
     return out
 
 

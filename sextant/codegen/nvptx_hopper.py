@@ -1,12 +1,13 @@
 """Hopper statements → NVVM intrinsics and inline PTX (``llvm_nvptx``'s helpers), for sm_90a.
 
 What LLVM 22 selects (``shared/notes/tensor-cores.md`` §2): wgmma fence / commit_group, mbarrier
-init / arrive.expect_tx / try_wait.parity, fence.proxy.async and the 2-D TMA tile load have
+init / arrive.expect_tx / try_wait.parity, fence.proxy.async and the TMA tile loads (2-D to 5-D) have
 intrinsics; ``wgmma.mma_async`` has none, so it is inline PTX. Two rules keep ptxas from
 serialising the warpgroup MMAs or LLVM from moving accumulator reads:
 
 * each ``wgmma.mma_async`` is one ``asm sideeffect`` whose ``N/2`` f32 accumulators are outputs
   tied to the same inputs (``=f`` … ``0`` …): the registers flow through the instruction;
+* an A in registers (``RegMatrix``) is four ``.b32`` inputs of f16/bf16 pairs in the same asm;
 * ``wgmma.wait_group`` is also inline asm with every accumulator of the buffers it names tied
   through it (Triton's form): nothing that reads them can be scheduled above the wait.
 
@@ -28,13 +29,14 @@ from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
-from sextant.codegen.nvptx_tensor_core import call_intrinsic
+from sextant.codegen.nvptx_tensor_core import call_intrinsic, pack_fragment
 from sextant.codegen.scalar_math import I1, I16, I32, I64
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     MbarrierArrive,
     MbarrierInit,
     MbarrierWait,
+    RegMatrix,
     SmemMatrix,
     TmaLoad,
     Wgmma,
@@ -88,15 +90,24 @@ def wgmma(low: _Lowering, s: Wgmma) -> None:
     n = s.n // 2
     ptrs = _acc_ptrs(low, s.d, low._value(s.d_off), n)
     accs = [b.load(p, typ=F32) for p in ptrs]
-    da, db = _descriptor(low, s.a), _descriptor(low, s.b)
+    db = _descriptor(low, s.b)
     regs = ", ".join(f"${i}" for i in range(n))
-    # scale-d is a predicate (1: D += A·B); the immediates: scale A, scale B, transpose A, transpose B
-    asm = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${2 * n + 2}, 0;\n"
-           f"wgmma.mma_async.sync.aligned.m64n{s.n}k16.f32.{kind}.{kind} {{{regs}}}, ${2 * n}, ${2 * n + 1}, "
-           f"p, 1, 1, {int(s.a.major == 'mn')}, {int(s.b.major == 'mn')};\n}}")
-    cons = ",".join(["=f"] * n + [str(i) for i in range(n)] + ["l", "l", "r"])
-    fnty = ir.FunctionType(ir.LiteralStructType([F32] * n), [F32] * n + [I64, I64, I32])
-    res = b.call(ir.InlineAsm(fnty, asm, cons, side_effect=True), [*accs, da, db, low._i32(1)])
+    if isinstance(s.a, RegMatrix):  # four .b32 registers of f16/bf16 pairs; no transpose-A immediate
+        a_vals = [v if v.type == I32 else b.bitcast(v, I32)
+                  for v in pack_fragment(low, s.a.buffer, low._value(s.a.offset), 8, ab)]
+        a_ops = "{" + ", ".join(f"${2 * n + i}" for i in range(4)) + "}"
+        a_cons, a_types, trans = ["r"] * 4, [I32] * 4, ""
+    else:
+        a_vals = [_descriptor(low, s.a)]
+        a_ops, a_cons, a_types, trans = f"${2 * n}", ["l"], [I64], f"{int(s.a.major == 'mn')}, "
+    nb = 2 * n + len(a_vals)  # B's operand number; scale-d follows it
+    # scale-d is a predicate (1: D += A·B); the immediates: scale A, scale B, [transpose A,] transpose B
+    asm = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${nb + 1}, 0;\n"
+           f"wgmma.mma_async.sync.aligned.m64n{s.n}k16.f32.{kind}.{kind} {{{regs}}}, {a_ops}, ${nb}, "
+           f"p, 1, 1, {trans}{int(s.b.major == 'mn')};\n}}")
+    cons = ",".join(["=f"] * n + [str(i) for i in range(n)] + a_cons + ["l", "r"])
+    fnty = ir.FunctionType(ir.LiteralStructType([F32] * n), [F32] * n + a_types + [I64, I32])
+    res = b.call(ir.InlineAsm(fnty, asm, cons, side_effect=True), [*accs, *a_vals, db, low._i32(1)])
     for i, p in enumerate(ptrs):
         b.store(b.extract_value(res, i), p)
 
@@ -152,9 +163,10 @@ def tma_load(low: _Lowering, s: TmaLoad) -> None:
     tmap = low.tensor_maps[tensor_map_of(s)]
     dst = b.addrspacecast(_shared(low, s.dst, low._value(s.dst_off)), ir.PointerType(addrspace=7))
     bar = _shared(low, s.bar, low._value(s.bar_index))
-    args = [dst, bar, tmap, low._value(s.col), low._value(s.row), ir.Constant(I16, 0), ir.Constant(I64, 0),
+    coords = [low._value(x) for x in (s.col, s.row, *reversed(s.outer))]  # innermost dimension first
+    args = [dst, bar, tmap, *coords, ir.Constant(I16, 0), ir.Constant(I64, 0),
             ir.Constant(I1, 0), ir.Constant(I1, 0), low._i32(0)]
-    call_intrinsic(low, "llvm.nvvm.cp.async.bulk.tensor.g2s.tile.2d", ir.VoidType(), args)
+    call_intrinsic(low, f"llvm.nvvm.cp.async.bulk.tensor.g2s.tile.{len(coords)}d", ir.VoidType(), args)
 
 
 def tensor_map_param(index: int) -> str:

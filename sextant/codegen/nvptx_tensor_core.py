@@ -52,7 +52,7 @@ def _local(low: _Lowering, name: str, base: ir.Value, i: int) -> tuple[ir.Value,
     return ptr, buf.dtype
 
 
-def _pack(low: _Lowering, name: str, base: ir.Value, n: int, dt: DType) -> list[ir.Value]:
+def pack_fragment(low: _Lowering, name: str, base: ir.Value, n: int, dt: DType) -> list[ir.Value]:
     """``n`` elements of a fragment as the instruction's registers."""
     b = low.b
     vals = [b.load(_local(low, name, base, i)[0], typ=_mem(dt)) for i in range(n)]
@@ -80,11 +80,11 @@ def mma(low: _Lowering, s: Mma) -> None:
     if shape is None:
         raise low._fail(f"no mma.sync of shape {s.shape} with {ab.value} inputs")
     b = low.b
-    a = _pack(low, s.a, low._value(s.a_off), shape.a_elems, ab)
-    bb = _pack(low, s.b, low._value(s.b_off), shape.b_elems, ab)
+    a = pack_fragment(low, s.a, low._value(s.a_off), shape.a_elems, ab)
+    bb = pack_fragment(low, s.b, low._value(s.b_off), shape.b_elems, ab)
     c_base, d_base = low._value(s.c_off), low._value(s.d_off)
     if acc == DType.f16:
-        c = _pack(low, s.c, c_base, shape.c_elems, DType.f16)
+        c = pack_fragment(low, s.c, c_base, shape.c_elems, DType.f16)
         sig, out = "f16.f16", [H2] * (shape.c_elems // 2)
     else:
         c = [b.load(_local(low, s.c, c_base, i)[0], typ=F32) for i in range(shape.c_elems)]

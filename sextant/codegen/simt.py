@@ -26,7 +26,9 @@ sequence of **phases**, and each phase is wrapped in its own loop over the block
   per-warp matrices by the PTX ISA's layout; :class:`LdmStage` stores its row address), and the
   next phase starts with each lane computing what the hardware would give it (:class:`MmaCompute`
   — its D fragment from the warp's matrices and its own C; :class:`LdmRead` — its elements of
-  the rows its warp's lanes addressed). ``cp.async`` copies complete at once on the CPU.
+  the rows its warp's lanes addressed). ``cp.async`` copies complete at once on the CPU. A
+  ``Wgmma`` whose A is in registers is cut the same way (:class:`WgmmaStage` publishes each
+  thread's A fragment into its warpgroup's 64×16 matrix, :class:`WgmmaCompute` computes).
 
 * An ``MbarrierWait`` is a cut like a barrier (asynchronous copies complete at once on the CPU, so
   every thread having run the code before it is what the wait guarantees); it stays at the start
@@ -61,6 +63,7 @@ from sextant.kernel.ir import (
     Load,
     MbarrierWait,
     Mma,
+    RegMatrix,
     Select,
     Special,
     Stmt,
@@ -71,6 +74,7 @@ from sextant.kernel.ir import (
     Wgmma,
     stmt_operands,
 )
+from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
 
 WARP_OPS = ("sum", "max", "min", "prod")
 _AXES = {"x": 0, "y": 1, "z": 2}
@@ -130,7 +134,25 @@ class LdmRead:
     slot: str
 
 
-PhaseStmt = Stmt | XchgStore | XchgReduce | MmaStage | MmaCompute | LdmStage | LdmRead
+@dataclass(frozen=True, slots=True)
+class WgmmaStage:
+    """End of a phase: this thread scatters its register A fragment of ``wgmma`` into its
+    warpgroup's 64×16 matrix in ``slot``."""
+
+    wgmma: Wgmma
+    slot: str
+
+
+@dataclass(frozen=True, slots=True)
+class WgmmaCompute:
+    """Start of a phase: this thread's accumulators of ``wgmma``, A read from its warpgroup's
+    matrix in ``slot``."""
+
+    wgmma: Wgmma
+    slot: str
+
+
+PhaseStmt = Stmt | XchgStore | XchgReduce | MmaStage | MmaCompute | LdmStage | LdmRead | WgmmaStage | WgmmaCompute
 
 
 @dataclass
@@ -230,6 +252,10 @@ def stmt_exprs(s: PhaseStmt) -> tuple[Expr, ...]:
         return (s.ldm.index,)
     if isinstance(s, LdmRead):
         return (s.ldm.dst_off,)
+    if isinstance(s, WgmmaStage):
+        return (s.wgmma.a.offset,)
+    if isinstance(s, WgmmaCompute):
+        return (s.wgmma.d_off, s.wgmma.b.offset)
     return stmt_operands(s)  # type: ignore[arg-type]
 
 
@@ -245,6 +271,8 @@ def iter_stmts(stmts: Sequence[Stmt]) -> Iterator[Stmt]:
 
 def has_sync(s: Stmt) -> bool:
     if isinstance(s, Barrier | WarpReduce | Mma | LdMatrix | MbarrierWait):
+        return True
+    if isinstance(s, Wgmma) and isinstance(s.a, RegMatrix):  # A gathered from the warpgroup's registers
         return True
     if isinstance(s, For):
         return any(has_sync(x) for x in s.body)
@@ -430,6 +458,13 @@ class _Planner:
                 cur.append(MmaStage(s, slot_a, slot_b))
                 flush()
                 cur.append(MmaCompute(s, slot_a, slot_b))
+            elif isinstance(s, Wgmma) and isinstance(s.a, RegMatrix):
+                slot = f"xchg{len(self.exchanges)}"
+                self.exchanges[slot] = self.kernel.buffer(s.a.buffer).dtype
+                self.exchange_sizes[slot] = self.kernel.threads_per_block // WARPGROUP * WGMMA_M * 16
+                cur.append(WgmmaStage(s, slot))
+                flush()
+                cur.append(WgmmaCompute(s, slot))
             elif isinstance(s, LdMatrix):
                 slot = f"xchg{len(self.exchanges)}"
                 self.exchanges[slot] = DType.i32
@@ -550,8 +585,10 @@ class _Liveness:
             elif isinstance(s, MmaCompute):
                 self._buffer(s.mma.c)
                 self._buffer(s.mma.d)
-            elif isinstance(s, Wgmma):
-                self._buffer(s.d)
+            elif isinstance(s, Wgmma | WgmmaCompute):
+                self._buffer(s.d if isinstance(s, Wgmma) else s.wgmma.d)
+            elif isinstance(s, WgmmaStage):
+                self._buffer(s.wgmma.a.buffer)
             elif isinstance(s, LdmRead):
                 self._buffer(s.ldm.dst)
             elif isinstance(s, For):

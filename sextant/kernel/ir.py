@@ -290,18 +290,30 @@ class SmemMatrix:
 
 
 @dataclass(frozen=True, slots=True)
+class RegMatrix:
+    """A ``wgmma`` A operand in registers: each thread's 8 f16/bf16 elements of the 64×16 tile are
+    ``buffer[offset … offset+7]`` (a local buffer), in the layout ``kernel.wgmma.a_coord`` gives —
+    that of ``mma.sync``'s m16n8k16 A fragment, warp ``w`` of the warpgroup holding rows ``16w …``.
+    The D fragment of a previous wgmma, cast, is such an A (FlashAttention's P·V keeps P there)."""
+
+    buffer: str
+    offset: Expr
+
+
+@dataclass(frozen=True, slots=True)
 class Wgmma:
     """``D += A · Bᵀ`` for a 64×``n``×16 tile, by the 128 threads of a warpgroup together
     (``wgmma.mma_async.sync.aligned.m64nNk16.f32``): A (64×16) and B (``n``×16, B's columns) are
-    f16/bf16 in shared memory; each thread's ``n/2`` f32 accumulators are ``d[d_off …]`` in the
-    layout ``kernel.wgmma.d_coord`` gives. *Asynchronous*: issued after a :class:`WgmmaFence`,
-    closed into a group by :class:`WgmmaCommit`; its accumulators may be read, and its operands
-    overwritten, only after a :class:`WgmmaWait` covers that group."""
+    f16/bf16 in shared memory (A may be in registers instead, a :class:`RegMatrix`); each thread's
+    ``n/2`` f32 accumulators are ``d[d_off …]`` in the layout ``kernel.wgmma.d_coord`` gives.
+    *Asynchronous*: issued after a :class:`WgmmaFence`, closed into a group by
+    :class:`WgmmaCommit`; its accumulators may be read, and its operands overwritten, only after a
+    :class:`WgmmaWait` covers that group."""
 
     n: int
     d: str
     d_off: Expr
-    a: SmemMatrix
+    a: SmemMatrix | RegMatrix
     b: SmemMatrix
 
 
@@ -358,12 +370,16 @@ class MbarrierWait:
 
 @dataclass(frozen=True, slots=True)
 class TmaLoad:
-    """``cp.async.bulk.tensor.2d`` (TMA): copy the ``box`` (rows, cols) of global ``src`` — viewed as
+    """``cp.async.bulk.tensor.Nd`` (TMA): copy the ``box`` (rows, cols) of global ``src`` — viewed as
     a ``shape`` (rows, cols) matrix whose rows are ``stride`` elements apart — whose top-left element
     is ``(row, col)`` into shared ``dst[dst_off …]``, row-major and swizzled (``swizzle`` bytes, as
     ``kernel.wgmma.tma_box_offset``); elements outside the matrix read as zero. Completes on
     ``bar[bar_index]`` with the box's bytes. Issued by one thread; the tensor map it names is built by
-    the runtime (``runtime.tensor_maps``) and passed as a kernel parameter."""
+    the runtime (``runtime.tensor_maps``) and passed as a kernel parameter.
+
+    ``outer`` adds up to three dimensions outside the matrix (a batch of matrices, heads):
+    coordinates ``outer[i]`` (outermost first) over ``outer_dims[i] = (size, stride)``, the box one
+    element deep along each — the matrix copied is the one at those coordinates."""
 
     dst: str
     dst_off: Expr
@@ -376,6 +392,8 @@ class TmaLoad:
     swizzle: int
     bar: str
     bar_index: Expr
+    outer: tuple[Expr, ...] = ()
+    outer_dims: tuple[tuple[int, int], ...] = ()
 
 
 Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit,  # noqa: UP007
@@ -404,7 +422,7 @@ def stmt_operands(s: Stmt) -> tuple[Expr, ...]:
     if isinstance(s, MbarrierWait):
         return (s.index, s.parity)
     if isinstance(s, TmaLoad):
-        return (s.dst_off, s.row, s.col, s.bar_index)
+        return (s.dst_off, s.row, s.col, s.bar_index, *s.outer)
     return ()
 
 
@@ -420,14 +438,15 @@ def map_operands(s: Stmt, fn: Callable[[Expr], Expr]) -> Stmt:
     if isinstance(s, PairDot):
         return dataclasses.replace(s, acc_off=fn(s.acc_off), a_lo=fn(s.a_lo), a_hi=fn(s.a_hi), b_off=fn(s.b_off))
     if isinstance(s, Wgmma):
-        return dataclasses.replace(s, d_off=fn(s.d_off), a=dataclasses.replace(s.a, offset=fn(s.a.offset)),
+        return dataclasses.replace(s, d_off=fn(s.d_off), a=dataclasses.replace(s.a, offset=fn(s.a.offset)),  # type: ignore[arg-type]
                                    b=dataclasses.replace(s.b, offset=fn(s.b.offset)))
     if isinstance(s, MbarrierInit | MbarrierArrive):
         return dataclasses.replace(s, index=fn(s.index))
     if isinstance(s, MbarrierWait):
         return dataclasses.replace(s, index=fn(s.index), parity=fn(s.parity))
     if isinstance(s, TmaLoad):
-        return dataclasses.replace(s, dst_off=fn(s.dst_off), row=fn(s.row), col=fn(s.col), bar_index=fn(s.bar_index))
+        return dataclasses.replace(s, dst_off=fn(s.dst_off), row=fn(s.row), col=fn(s.col), bar_index=fn(s.bar_index),
+                                   outer=tuple(fn(x) for x in s.outer))
     return s
 
 

@@ -43,6 +43,7 @@ from sextant.kernel.ir import (
     MbarrierWait,
     Mma,
     PairDot,
+    RegMatrix,
     Select,
     SmemMatrix,
     Special,
@@ -174,9 +175,10 @@ def stmt_header(s: Stmt) -> str:
         return f"mbarrier_wait({_ref(s.bar, s.index)}, parity={print_expr(s.parity)})"
     if isinstance(s, TmaLoad):
         (br, bc), (r, c) = s.box, s.shape
-        return (f"tma_load({_ref(s.dst, s.dst_off)}, {s.src}[{r}x{c}, stride {s.stride}]"
-                f"[{print_expr(s.row)}, {print_expr(s.col)}], box={br}x{bc}, swizzle={s.swizzle}, "
-                f"{_ref(s.bar, s.bar_index)})")
+        dims = "".join(f"{n} (stride {k}) x " for n, k in s.outer_dims)
+        at = ", ".join(print_expr(x) for x in (*s.outer, s.row, s.col))
+        return (f"tma_load({_ref(s.dst, s.dst_off)}, {s.src}[{dims}{r}x{c}, stride {s.stride}]"
+                f"[{at}], box={br}x{bc}, swizzle={s.swizzle}, {_ref(s.bar, s.bar_index)})")
     if isinstance(s, CpAsyncCommit):
         return "cp_async_commit()"
     if isinstance(s, CpAsyncWait):
@@ -188,7 +190,9 @@ def _ref(buffer: str, index: Expr) -> str:
     return f"&{buffer}[{print_expr(index)}]"
 
 
-def _smem(m: SmemMatrix) -> str:
+def _smem(m: SmemMatrix | RegMatrix) -> str:
+    if isinstance(m, RegMatrix):
+        return f"regs({_ref(m.buffer, m.offset)})"
     lbo = f", lbo={m.lbo}" if m.swizzle == 0 or m.major == "mn" else ""
     major = ", mn-major" if m.major == "mn" else ""
     return f"desc({_ref(m.buffer, m.offset)}, swizzle={m.swizzle}{lbo}, sbo={m.sbo}{major})"

@@ -63,6 +63,7 @@ from sextant.kernel.ir import (
     MbarrierWait,
     Mma,
     PairDot,
+    RegMatrix,
     Select,
     Special,
     Stmt,
@@ -594,6 +595,8 @@ def _ranges_touched(s: Stmt, buffers: dict[str, Buffer]) -> Iterator[tuple[str, 
         yield s.b, s.b_off, 2 * s.lanes, False, None
     elif isinstance(s, Wgmma):
         yield s.d, s.d_off, s.n // 2, True, None
+        if isinstance(s.a, RegMatrix):
+            yield s.a.buffer, s.a.offset, 8, False, None
     elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
         yield s.bar, s.index, 1, True, None
     elif isinstance(s, TmaLoad):

@@ -29,6 +29,7 @@ from sextant.kernel.ir import (
     MbarrierArrive,
     MbarrierInit,
     MbarrierWait,
+    RegMatrix,
     SmemMatrix,
     Stmt,
     TmaLoad,
@@ -50,8 +51,8 @@ MAX_TX = (1 << 20) - 1  # bytes one phase of an mbarrier can expect
 def known_multiple(e: Expr, regs: Mapping[str, int] | None = None) -> int:
     """The largest number ``e`` is surely a multiple of (0 for the constant 0), from its form and
     what ``regs`` knows of the registers it reads."""
-    if isinstance(e, Const):
-        return abs(int(e.value))
+    if isinstance(e, Const):  # (a non-integer value, such as -inf, says nothing)
+        return abs(int(e.value)) if e.dtype.is_int or float(e.value).is_integer() else 1
     if isinstance(e, Var) and regs is not None:
         return regs.get(e.name, 1)
     if isinstance(e, Binary):
@@ -157,8 +158,13 @@ def _wgmma(v: _Verifier, s: Wgmma, control: tuple[_Control, ...]) -> None:
         v.fail(s, f"wgmma A is {ab[0].value} but B is {ab[1].value}")
 
 
-def _operand(v: _Verifier, s: Stmt, which: str, m: SmemMatrix) -> DType | None:
+def _operand(v: _Verifier, s: Stmt, which: str, m: SmemMatrix | RegMatrix) -> DType | None:
     b = v.buffers.get(m.buffer)
+    if isinstance(m, RegMatrix):
+        if which != "A" or b is None or b.space != "local" or b.dtype not in (DType.f16, DType.bf16):
+            v.fail(s, f"wgmma {which} in registers must be A in an f16 or bf16 local buffer, not {m.buffer!r}")
+            return None
+        return b.dtype
     if b is None or b.space != "shared" or b.dtype not in (DType.f16, DType.bf16):
         v.fail(s, f"wgmma {which} must be an f16 or bf16 shared buffer, not {m.buffer!r}")
         return None
@@ -189,6 +195,13 @@ def _tma(v: _Verifier, s: TmaLoad) -> None:
         return
     if (bc * size) % 16:
         v.fail(s, f"TMA box rows of {bc * size} bytes (a multiple of 16)")
+    if len(s.outer) != len(s.outer_dims) or len(s.outer) > 3:
+        v.fail(s, f"TMA with {len(s.outer)} outer coordinates over {len(s.outer_dims)} outer dimensions (at most 3)")
+    for n, k in s.outer_dims:
+        if not (isinstance(n, int) and isinstance(k, int) and 1 <= n < 1 << 32 and k >= 1):
+            v.fail(s, f"TMA outer dimension of size {n!r}, stride {k!r}")
+        elif (k * size) % 16 or k * size >= 1 << 40:
+            v.fail(s, f"TMA outer stride of {k * size} bytes (a multiple of 16 below 2^40)")
     if not (isinstance(rows, int) and isinstance(cols, int) and rows >= 1 and cols >= 1 and s.stride >= cols):
         v.fail(s, f"TMA source shape {s.shape} with row stride {s.stride}")
     elif (s.stride * size) % 16 or s.stride * size >= 1 << 40:

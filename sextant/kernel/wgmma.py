@@ -54,6 +54,15 @@ def d_coord(thread: int, i: int) -> tuple[int, int]:
     return 16 * warp + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)
 
 
+def a_coord(thread: int, i: int) -> tuple[int, int]:
+    """``(row, k)`` of element ``i`` (of 8) of warpgroup thread ``thread``'s A fragment when A is in
+    registers (``RegMatrix``): the m16n8k16 A layout of ``mma.sync``, warp ``w`` holding rows
+    ``16w …`` — pairs ``(g, 2t)``, ``(g+8, 2t)``, ``(g, 2t+8)``, ``(g+8, 2t+8)``."""
+    warp, lane = (thread % WARPGROUP) >> 5, thread & 31
+    g, t = lane >> 2, lane & 3
+    return 16 * warp + g + 8 * ((i >> 1) & 1), 2 * t + (i & 1) + 8 * (i >> 2)
+
+
 def wgmma_n_ok(n: int) -> bool:
     """N of an f16/bf16 ``wgmma``: a multiple of 8 from 8 to 256."""
     return isinstance(n, int) and 8 <= n <= 256 and n % 8 == 0
@@ -116,19 +125,24 @@ def tma_box_offset(r: int, c: int, box_cols: int, itemsize: int, swizzle: int) -
 class TensorMap:
     """What a ``TmaLoad`` needs the runtime to encode (``cuTensorMapEncodeTiled``) and pass as a
     128-byte ``__grid_constant__`` kernel parameter: global buffer ``src`` viewed as a
-    ``shape`` (rows, cols) matrix with rows ``stride`` elements apart, copied in ``box`` tiles with
-    the ``swizzle``; out-of-bounds elements read as zero."""
+    ``shape`` (rows, cols) matrix with rows ``stride`` elements apart (one of a batch: ``outer_dims``),
+    copied in ``box`` tiles with the ``swizzle``; out-of-bounds elements read as zero."""
 
     src: str
     shape: tuple[int, int]
     stride: int
     box: tuple[int, int]
     swizzle: int
+    outer_dims: tuple[tuple[int, int], ...] = ()  # (size, stride) of dimensions outside the matrix, outermost first
+
+    @property
+    def rank(self) -> int:
+        return 2 + len(self.outer_dims)
 
 
 def tensor_map_of(s: TmaLoad) -> TensorMap:
     """The tensor map a ``TmaLoad`` statement reads through."""
-    return TensorMap(s.src, s.shape, s.stride, s.box, s.swizzle)
+    return TensorMap(s.src, s.shape, s.stride, s.box, s.swizzle, s.outer_dims)
 
 
 def kernel_tensor_maps(body: tuple[Stmt, ...]) -> tuple[TensorMap, ...]:

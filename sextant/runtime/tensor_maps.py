@@ -51,9 +51,13 @@ def encode(driver: Any, slot: MapSlot, address: int) -> bytes:
     size = slot.dtype.itemsize
     u64 = lambda xs: [m.cuuint64_t(x) for x in xs]
     u32 = lambda xs: [m.cuuint32_t(x) for x in xs]
+    outer = spec.outer_dims[::-1]  # innermost dimension first, as the driver takes them
+    dims = [cols, rows, *(n for n, _ in outer)]
+    strides = [spec.stride * size, *(k * size for _, k in outer)]  # bytes, from the second dimension on
     tmap = driver("cuTensorMapEncodeTiled",
-                  getattr(m.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_DTYPES[slot.dtype]}"), 2, address,
-                  u64([cols, rows]), u64([spec.stride * size]), u32([box_cols, box_rows]), u32([1, 1]),
+                  getattr(m.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_DTYPES[slot.dtype]}"), spec.rank,
+                  address, u64(dims), u64(strides), u32([box_cols, box_rows] + [1] * len(outer)),
+                  u32([1] * spec.rank),
                   m.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                   getattr(m.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{_SWIZZLES[spec.swizzle]}"),
                   m.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,

@@ -245,7 +245,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 h = i >> 1
                 slot = c(y * MMA.c_elems + i)
                 col = e.bind(iadd(iadd(j0, tq), c(8 * y + i % 2)), "key")
-                z = _logit(e, att, bz, rows_c[h], col, Load("sacc", slot, acc_t), n_kv if ragged else None)
+                z = logit(e, att, bz, rows_c[h], col, Load("sacc", slot, acc_t), n_kv if ragged else None)
                 e.emit(Store("sacc", slot, z))
                 e.emit(Assign(tmax[h], Binary("maximum", tmax[h], z, acc_t)))
         shift = []
@@ -354,7 +354,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                             shared=tuple(shared), local=local, meta=meta), grid)
 
 
-def _logit(e: ValueEmitter, att: Attention, bz: Expr, row: Expr, key: Expr, score: Expr, n_kv: int | None) -> Expr:
+def logit(e: ValueEmitter, att: Attention, bz: Expr, row: Expr, key: Expr, score: Expr, n_kv: int | None) -> Expr:
     """``Z`` at ``(row, key)`` from the score accumulator: the fused scale/mask ops; with ``n_kv``
     (the ragged tile), -inf past the last key (whose loads read the last key instead)."""
     acc_t = DType.f32

@@ -60,7 +60,7 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.sizes import with_grid
 from sextant.schedule.attention_match import Attention, at
-from sextant.schedule.gpu_flash_attention import _logit
+from sextant.schedule.gpu_flash_attention import logit
 from sextant.schedule.gpu_kernels import BID_X, TID_X, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import KernelChain, setup_kernel, store_epilogue
@@ -222,7 +222,7 @@ def _partials(group: Group, stored: set[int], target: TargetDesc, name: str, pla
 
             _strided_loop(e, c(0), d, 1, dot, "dd", unroll=True)
             for r in range(n_q):
-                z = _logit(e, att, bz, c(r), kc, Load("sacc", c(r), f32), None)
+                z = logit(e, att, bz, c(r), kc, Load("sacc", c(r), f32), None)
                 if ragged:
                     z = e.bind(Select(_bool("lt", key, c(n_kv)), z, neg_inf, f32), "z")
                 e.emit(Store("Ss", iadd(c(r * KEY_TILE), t), z))

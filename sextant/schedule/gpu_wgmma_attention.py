@@ -1,0 +1,323 @@
+"""Hopper flash attention: ``softmax(f(Q·Kᵀ))·V`` with warpgroup MMAs fed by TMA (sm_90a).
+
+The FlashAttention-3 recipe's first rung — its data movement and its two products on the
+Hopper instructions, without warp specialisation yet:
+
+* **One block per ``BR = 64·W`` query rows** of one batch/head, ``W`` warpgroups (2, or 1 for
+  short sequences); warpgroup ``w`` owns rows ``64w …`` and keeps everything of them in
+  registers: the ``BC/2`` score accumulators, the ``Dv/2`` output accumulators, the running row
+  max and sum (a thread holds two rows, as in the D layout).
+* **Q once, K and V streamed by TMA.** Q's tile is copied once (its own mbarrier); K and V tiles
+  of ``BC = 64`` keys go through a ring of ``S = 2`` stages, each one mbarrier announcing both
+  copies' bytes. All three are written with the 128-byte swizzle, in boxes of 64 columns (one
+  swizzled row each), and read by wgmma through matching descriptors: Q as A and K as B are
+  K-major (the head dim contiguous, ``Wᵀ``-like); V is B of ``P·V`` with its keys as K and its
+  head dim as N — stored ``keys × Dv``, so MN-major (the transpose bit, ``LBO`` one box). The
+  batch and head dims are the tensor maps' outer dimensions, so a tile never reads a
+  neighbouring head: rows past the sequence arrive as zeros.
+* **``S = Q·Kᵀ``**: ``D/16`` wgmmas of ``64 × BC``, committed and awaited.
+* **The online softmax in registers** — the fused logit ops (scale, masks) per accumulator at
+  its ``(row, key)``, the row max over the quad that holds a row (a width-4 butterfly), the
+  rescaling of the running sum and of ``O`` by ``exp(m_old − m_new)`` — exactly as the
+  ``mma.sync`` kernel (``gpu_flash_attention``) does.
+* **``O += P·V`` with P from registers**: the D fragment of two adjacent 8-key column blocks of
+  S holds the same ``(row, key)`` pairs as the register A fragment of one 16-key step
+  (``kernel.wgmma.a_coord``), so P is cast to f16/bf16 in place and fed as a ``RegMatrix`` —
+  it never touches shared memory.
+* **The ring**: after both products of tile ``t`` have completed (``wgmma.wait_group 0``), a
+  block barrier says every warpgroup is done with its stage and thread 0 refills it with tile
+  ``t + S``; the copy of the next tile runs while the current one is computed. Causal: tiles
+  past the block's last query are never loaded or computed.
+* **Epilogue**: ``O / l``, cast, the group's fused epilogue, stored at the D layout's positions.
+
+Used on ``sm_90a`` for static f16/bf16 attention whose Q, K and V are strided views TMA can
+describe (the head dim contiguous and 64 or 128 wide, 16-byte-aligned strides, an offset that
+is a whole number of outer steps — the Q/K/V slices of one fused projection are); anything
+else keeps the ``mma.sync`` flash kernel, which sm_90a runs as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.graph.symbolic import is_symbolic
+from sextant.kernel.ir import (
+    Assign,
+    Barrier,
+    Binary,
+    Buffer,
+    Cast,
+    Const,
+    Expr,
+    For,
+    If,
+    Kernel,
+    Load,
+    MbarrierArrive,
+    MbarrierInit,
+    MbarrierWait,
+    RegMatrix,
+    Select,
+    SmemMatrix,
+    Store,
+    TmaLoad,
+    Unary,
+    Var,
+    WarpReduce,
+    Wgmma,
+    WgmmaCommit,
+    WgmmaFence,
+    WgmmaWait,
+)
+from sextant.kernel.sizes import with_grid
+from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
+from sextant.schedule.attention_match import Attention, at
+from sextant.schedule.gpu_flash_attention import half_dtype, logit
+from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
+from sextant.schedule.gpu_wgmma import ATOM, SWIZZLE, is_sm90a
+from sextant.schedule.indexing import ValueEmitter, c, delinearize, divisible, iadd, idiv, imin, imod, imul
+from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.partition import Group
+from sextant.schedule.target import TargetDesc
+from sextant.schedule.views import strided_view
+
+BC = 64  # keys per K/V tile
+STAGES = 2
+HEADS = (64, 128)  # head sizes: whole 128-byte swizzled rows of f16/bf16, accumulators in registers
+BOX = SWIZZLE // 2  # columns of one box (one swizzled row of 16-bit elements)
+MAX_OUTER = 3  # a tensor map has at most 5 dimensions
+
+
+@dataclass(frozen=True)
+class TmaOperand:
+    """Q, K or V as a TMA source: ``rows × cols`` matrices (the head dim along ``cols``) of
+    buffer ``name``, rows ``stride`` apart, one per value of the ``outer`` dims — each
+    ``(size, stride, batch_dim, shift)``: ``batch_dim`` the attention batch dim its coordinate
+    comes from, ``shift`` added to it (the view's offset, in whole steps of that dim)."""
+
+    name: str
+    rows: int
+    cols: int
+    stride: int
+    outer: tuple[tuple[int, int, int, int], ...]
+
+    def load(self, dst: str, dst_off: Expr, bz: Expr, lead: tuple, row: Expr, rows: int, bar: str,
+             bar_index: Expr) -> list[TmaLoad]:
+        """The copies of a ``rows × cols`` tile from ``row`` of matrix ``bz`` into ``dst``: one box of
+        64 columns after the other, ``rows·64`` elements apart."""
+        idx = delinearize(bz, lead) if lead else ()
+        outer = tuple(iadd(idx[d], c(shift)) if shift else idx[d] for _, _, d, shift in self.outer)
+        dims = tuple((n, k) for n, k, _, _ in self.outer)
+        return [TmaLoad(dst, iadd(dst_off, c(j * rows * BOX)), self.name, row, c(j * BOX), (rows, BOX),
+                        (self.rows, self.cols), self.stride, SWIZZLE, bar, bar_index, outer, dims)
+                for j in range(self.cols // BOX)]
+
+
+def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_axis: int) -> TmaOperand | None:
+    """``x`` (``[*batch, a, b]``) as a :class:`TmaOperand` whose matrix rows run along ``row_axis``
+    and contiguous columns along ``col_axis`` (-1 or -2), or None."""
+    if is_symbolic(x.shape):
+        return None
+    view = strided_view(x, buffers, exact_from=dt)
+    if view is None or view.strides[col_axis] != 1:
+        return None
+    size = dt.itemsize
+    rows, cols, stride = int(x.shape[row_axis]), int(x.shape[col_axis]), view.strides[row_axis]
+    if stride < cols or (stride * size) % 16:
+        return None
+    dims = [(int(n), k, i) for i, (n, k) in enumerate(zip(x.shape[:-2], view.strides[:-2])) if n != 1 and k != 0]
+    # the view's offset as whole steps of its outer dims (largest stride first): the tensor map
+    # starts at the buffer, its outer coordinates shifted; the rows and columns must start at 0
+    # so TMA's bounds stay those of the matrix
+    rest, shifts = view.offset, {}
+    for _n, k, i in sorted(dims, key=lambda d: -d[1]):
+        shifts[i], rest = rest // k, rest % k
+    if rest or len(dims) > MAX_OUTER or any((k * size) % 16 for _, k, _ in dims):
+        return None
+    return TmaOperand(buffers[id(view.buffer)], rows, cols, stride,
+                      tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims))
+
+
+def wgmma_attention_refusal(att: Attention, target: TargetDesc) -> str | None:
+    """Why the Hopper kernel cannot compute ``att`` (before its operands are seen), or None."""
+    if not is_sm90a(target):
+        return f"wgmma needs sm_90a, not {target.name}"
+    dt = half_dtype(att.q)
+    if dt is None or {half_dtype(att.kt), half_dtype(att.v)} != {dt}:
+        return "Q, K and V are not all f16 or all bf16"
+    if any(is_symbolic(x.shape) for x in (att.q, att.kt, att.v, att.out)):
+        return "symbolic sizes (tensor maps are encoded for static shapes)"
+    d, dv = att.q.shape[-1], att.v.shape[-1]
+    if d not in HEADS or dv not in HEADS:
+        return f"head sizes {d}/{dv} (64 or 128: whole swizzled rows)"
+    return None
+
+
+def operands(group: Group, buffers: dict[int, str]) -> tuple[TmaOperand, TmaOperand, TmaOperand] | None:
+    att = group.attention
+    assert att is not None
+    dt = half_dtype(att.q)
+    assert dt is not None
+    ops = (tma_operand(att.q, buffers, dt, -2, -1), tma_operand(att.kt, buffers, dt, -1, -2),
+           tma_operand(att.v, buffers, dt, -2, -1))
+    return ops if all(o is not None for o in ops) else None  # type: ignore[return-value]
+
+
+def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
+    """The attention group on wgmma + TMA, or None when its operands are not TMA-describable."""
+    att = group.attention
+    assert att is not None and wgmma_attention_refusal(att, target) is None
+    dt = half_dtype(att.q)
+    assert dt is not None
+    acc_t, size = DType.f32, dt.itemsize
+    q, kt, v, out = att.q, att.kt, att.v, att.out
+    *batch, n_q, d = (int(x) for x in q.shape)
+    n_kv, dv = int(kt.shape[-1]), int(v.shape[-1])
+    e, params, _ = setup_kernel(group, stored)
+    ops = operands(group, e.buffers)
+    if ops is None:
+        return None
+    src_q, src_k, src_v = ops
+    wgs = 2 if n_q > WGMMA_M else 1
+    br = WGMMA_M * wgs
+    grid, (bq, bz, _) = _grid(e, (-(-n_q // br), math.prod(batch), 1))
+    t = TID_X
+    wg = e.bind(idiv(t, WARPGROUP), "wg")
+    lane = e.bind(imod(t, 32), "lane")
+    first = _bool("eq", t, c(0))
+    q0 = e.bind(imul(bq, br), "q0")
+    k_stage, v_stage = BC * d, BC * dv  # elements per stage
+    lead_q, lead_k, lead_v = (tuple(x.shape[:-2]) for x in (q, kt, v))
+    # causal: keys from the block's last query on are hidden from every row of the block
+    kend = e.bind(imin(iadd(q0, c(br)), c(n_kv)), "kend") if att.causal else c(n_kv)
+    tiles = e.bind(idiv(iadd(kend, c(BC - 1)), BC), "tiles") if att.causal else c(-(-n_kv // BC))
+    static_tiles = -(-n_kv // BC)
+
+    def issue(kt_: Expr) -> list:
+        """Thread 0: announce tile ``kt_``'s bytes on its stage's barrier and copy its K and V."""
+        st = imod(kt_, STAGES)
+        row = imul(kt_, BC)
+        return [MbarrierArrive("bar", st, BC * (d + dv) * size),
+                *src_k.load("sK", imul(st, k_stage), bz, lead_k, row, BC, "bar", st),
+                *src_v.load("sV", imul(st, v_stage), bz, lead_v, row, BC, "bar", st)]
+
+    e.emit(If(first, tuple(MbarrierInit("bar", c(s), 1) for s in range(STAGES + 1))))
+    e.emit(Barrier())
+    prologue = [MbarrierArrive("bar", c(STAGES), br * d * size),
+                *src_q.load("sQ", c(0), bz, lead_q, q0, br, "bar", c(STAGES))]
+    for p in range(min(STAGES, static_tiles)):
+        prologue += [If(_bool("lt", c(p), tiles), tuple(issue(c(p))))] if att.causal else issue(c(p))
+    e.emit(If(first, tuple(prologue)))
+
+    n_s, n_o = BC // 2, dv // 2  # accumulators per thread
+    zero, neg_inf = Const(0.0, acc_t), Const(-math.inf, acc_t)
+    _strided_loop(e, c(0), n_o, 1, lambda u: e.emit(Store("oacc", u, zero)), "u", unroll=True)
+    m = [e.var("m", acc_t) for _ in range(2)]  # running max and (lane-partial) sum of rows g, g + 8
+    s = [e.var("l", acc_t) for _ in range(2)]
+    for h in range(2):
+        e.emit(Assign(m[h], neg_inf))
+        e.emit(Assign(s[h], zero))
+    g, tq = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "tq")
+    wrow = e.bind(iadd(q0, iadd(imul(wg, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
+    rows = [e.bind(iadd(wrow, iadd(g, c(8 * h))), "row") for h in range(2)]
+    rows_c = [r if divisible(n_q, br) else e.bind(imin(r, c(n_q - 1)), "rc") for r in rows]
+    ragged = None if divisible(n_kv, BC) else n_kv
+    e.emit(MbarrierWait("bar", c(STAGES), c(0)))  # Q has landed
+
+    def tile(kt_: Expr) -> None:
+        st = e.bind(imod(kt_, STAGES), "st")
+        j0 = e.bind(imul(kt_, BC), "j0")
+        e.emit(MbarrierWait("bar", st, imod(idiv(kt_, STAGES), 2)))
+        _strided_loop(e, c(0), n_s, 1, lambda u: e.emit(Store("sacc", u, zero)), "u", unroll=True)
+        e.emit(WgmmaFence())
+        kbase = e.bind(imul(st, k_stage), "kb")
+        for kk in range(d // 16):  # S = Q·Kᵀ: box kk // 4 of both, 16 columns per step within it
+            box, step = divmod(kk, 4)
+            a = SmemMatrix("sQ", iadd(c(box * br * BOX + 16 * step), imul(wg, WGMMA_M * BOX)), SWIZZLE, 0, ATOM)
+            b = SmemMatrix("sK", iadd(kbase, c(box * BC * BOX + 16 * step)), SWIZZLE, 0, ATOM)
+            e.emit(Wgmma(BC, "sacc", c(0), a, b))
+        e.emit(WgmmaCommit())
+        e.emit(WgmmaWait(0, ("sacc",)))
+        tmax = [e.var("tmax", acc_t) for _ in range(2)]
+        for h in range(2):
+            e.emit(Assign(tmax[h], neg_inf))
+        for i in range(n_s):  # the logits, in place, and this thread's row maxima
+            h = (i >> 1) & 1
+            key = e.bind(iadd(j0, iadd(tq, c(8 * (i >> 2) + (i & 1)))), "key")
+            z = logit(e, att, bz, rows_c[h], key, Load("sacc", c(i), acc_t), ragged)
+            e.emit(Store("sacc", c(i), z))
+            e.emit(Assign(tmax[h], Binary("maximum", tmax[h], z, acc_t)))
+        shift = []
+        for h in range(2):
+            full = e.var("tm", acc_t)
+            e.emit(WarpReduce(full, "max", tmax[h], 4))  # the quad holding row g (+8)
+            m_new = e.bind(Binary("maximum", m[h], full, acc_t), "mn")
+            sh = e.bind(Select(Binary("eq", m_new, neg_inf, DType.bool), zero, m_new, acc_t), "sh")
+            corr = e.bind(Unary("exp", Binary("sub", m[h], sh, acc_t), acc_t), "corr")
+            e.emit(Assign(s[h], Binary("mul", s[h], corr, acc_t)))
+            for i in range(n_o):
+                if (i >> 1) & 1 == h:
+                    e.emit(Store("oacc", c(i), Binary("mul", Load("oacc", c(i), acc_t), corr, acc_t)))
+            e.emit(Assign(m[h], m_new))
+            shift.append(sh)
+        for i in range(n_s):  # P = exp(z - m): the register A fragments of P·V (same slots)
+            h = (i >> 1) & 1
+            p_val = e.bind(Unary("exp", Binary("sub", Load("sacc", c(i), acc_t), shift[h], acc_t), acc_t), "p")
+            e.emit(Assign(s[h], Binary("add", s[h], p_val, acc_t)))
+            e.emit(Store("fp", c(i), Cast(p_val, dt)))
+        e.emit(WgmmaFence())  # the accumulators and P were written by ordinary instructions
+        vbase = e.bind(imul(st, v_stage), "vb")
+        for kk in range(BC // 16):  # O += P·V: 16 keys (rows of V) per step, 128 bytes each
+            b = SmemMatrix("sV", iadd(vbase, c(16 * kk * BOX)), SWIZZLE, BC * SWIZZLE, ATOM, "mn")
+            e.emit(Wgmma(dv, "oacc", c(0), RegMatrix("fp", c(8 * kk)), b))
+        e.emit(WgmmaCommit())
+        e.emit(WgmmaWait(0, ("oacc",)))
+        e.emit(Barrier())  # every warpgroup is done with this stage: refill it with tile kt + S
+        nxt = iadd(kt_, c(STAGES))
+        cond = _and([first, _bool("lt", nxt, tiles)])
+        assert cond is not None
+        e.emit(If(cond, tuple(issue(nxt))))
+
+    if att.causal:
+        _loop(e, tiles, tile)
+    else:
+        _strided_loop(e, c(0), static_tiles, 1, tile, "kt")
+    inv = []
+    for h in range(2):
+        total = e.var("lsum", acc_t)
+        e.emit(WarpReduce(total, "sum", s[h], 4))
+        r = e.bind(Binary("div", Const(1.0, acc_t), total, acc_t), "inv")
+        if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
+            r = e.bind(Select(Binary("eq", m[h], neg_inf, DType.bool), zero, r, acc_t), "inv")
+        inv.append(r)
+    for i in range(n_o):
+        h = (i >> 1) & 1
+        col = e.bind(iadd(tq, c(8 * (i >> 2) + (i & 1))), "dcol")
+
+        def store(h: int = h, col: Expr = col, i: int = i) -> None:
+            val = Binary("mul", Load("oacc", c(i), acc_t), inv[h], acc_t)
+            e.regs[id(out)] = e.bind(val if out.dtype == acc_t else Cast(val, out.dtype), "o")
+            store_epilogue(e, group, at(out, bz, rows[h], col))
+            e.regs.pop(id(out))
+
+        _guarded(e, None if divisible(n_q, br) else _bool("lt", rows[h], c(n_q)), store)
+    shared = [Buffer("sQ", dt, br * d, "shared"), Buffer("sK", dt, STAGES * k_stage, "shared"),
+              Buffer("sV", dt, STAGES * v_stage, "shared"), Buffer("bar", DType.i64, STAGES + 1, "shared")]
+    _check_shared(name, shared, target)
+    local = (Buffer("sacc", acc_t, n_s, "local"), Buffer("fp", dt, n_s, "local"), Buffer("oacc", acc_t, n_o, "local"))
+    meta = {"mapping": "flash-attention-wgmma-tma", "tile": (br, BC), "warpgroups": wgs, "stages": STAGES,
+            "mma": f"m64n{BC}k16/m64n{dv}k16.{dt.value}", "head": (d, dv)}
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (wgs * WARPGROUP, 1, 1), tuple(e.stmts),
+                            shared=tuple(shared), local=local, meta=meta), grid)
+
+
+def _loop(e: ValueEmitter, stop: Expr, body: Callable[[Var], None]) -> None:
+    """``for kt in range(0, stop): body(kt)`` with a run-time (block-uniform) bound."""
+    v = e.var("kt")
+    with e.scope() as stmts:
+        body(v)
+    e.emit(For(v, c(0), stop, 1, tuple(stmts)))
