@@ -32,6 +32,7 @@ from sextant.kernel.ir import (
     MbarrierArrive,
     MbarrierInit,
     MbarrierWait,
+    RegMatrix,
     SmemMatrix,
     Special,
     Stmt,
@@ -299,3 +300,109 @@ def test_sm90a_ptx_assembles_without_spills_or_serialised_wgmma() -> None:
 def test_hopper_statements_need_sm90a() -> None:
     with pytest.raises(CodegenError, match=r"Wgmma\w* needs sm_90a"):
         emit_ptx([gemm_tile_kernel(64, 64, F16, 128)], arch="sm_90")
+
+
+# -- A in registers, a TMA copy with an outer dimension ----------------------------------------------
+def test_register_a_fragment_follows_the_isa() -> None:
+    """PTX ISA, wgmma .m64nNk16 A in registers: warp w holds rows 16w..; in it the m16n8k16 A
+    fragment of mma.sync (an independent statement of it: ``kernel.fragments``)."""
+    from sextant.kernel.fragments import MMA_SHAPES
+
+    mma_a = MMA_SHAPES[((16, 8, 16), "f16")].a_coord
+    for thread in range(128):
+        for i in range(8):
+            r, k = mma_a(thread % 32, i)
+            assert wg.a_coord(thread, i) == (16 * (thread // 32) + r, k)
+
+
+def reg_a_kernel(n: int, dt: DType, planes: int, plane: int) -> Kernel:
+    """D (64×n) = A (64×64, each thread loading its register fragments from global by
+    ``a_coord``'s layout) · B[plane]ᵀ, B[plane] (n×64) copied by a 3-D TMA load: plane ``plane`` of
+    ``planes`` n×64 matrices (out of range: zeros)."""
+    size = dt.itemsize
+    warp, lane = _op("shr", TID, 5), _op("bitwise_and", TID, 31)
+    g, t = _op("shr", lane, 2), _op("bitwise_and", lane, 3)
+    loads: list[Stmt] = []
+    for kk in range(4):
+        for i in range(8):  # the layout written out again (rows g/g+8, k pairs 2t and 2t+8)
+            row = add(add(mul(warp, c(16)), g), c(8 * ((i >> 1) & 1)))
+            col = add(mul(t, c(2)), c(16 * kk + (i & 1) + 8 * (i >> 2)))
+            loads.append(Store("fa", c(8 * kk + i), Load("A", add(mul(row, c(64)), col), dt)))
+    i = Var("i")
+    row = add(add(mul(warp, c(16)), g), mul(_op("bitwise_and", _op("shr", i, 1), 1), c(8)))
+    col = add(add(mul(_op("shr", i, 2), c(8)), mul(t, c(2))), _op("bitwise_and", i, 1))
+    body: tuple[Stmt, ...] = (
+        *loads,
+        For(i, c(0), c(n // 2), 1, (Store("acc", i, Const(0.0, F32)),), unroll=True),
+        If(is_thread0(), (MbarrierInit("bar", c(0), 1),)),
+        Barrier(),
+        If(is_thread0(), (MbarrierArrive("bar", c(0), n * 64 * size),
+                          TmaLoad("sB", c(0), "B", c(0), c(0), (n, 64), (n, 64), 64, 128, "bar", c(0),
+                                  (c(plane),), ((planes, n * 64),)))),
+        MbarrierWait("bar", c(0), c(0)),
+        WgmmaFence(),
+        *(Wgmma(n, "acc", c(0), RegMatrix("fa", c(8 * kk)), SmemMatrix("sB", c(16 * kk), 128, 0, 1024))
+          for kk in range(4)),
+        WgmmaCommit(),
+        WgmmaWait(0, ("acc",)),
+        For(i, c(0), c(n // 2), 1, (Store("D", add(mul(row, c(n)), col), Load("acc", i, F32)),), unroll=True),
+    )
+    return Kernel(f"wg_rega_{n}_{dt.value}_{plane}", (Buffer("A", dt, 64 * 64), Buffer("B", dt, planes * n * 64),
+                                                      Buffer("D", F32, 64 * n, role="out")),
+                  (1, 1, 1), (128, 1, 1), body,
+                  shared=(Buffer("sB", dt, n * 64, "shared"), Buffer("bar", I64, 1, "shared")),
+                  local=(Buffer("fa", dt, 32, "local"), Buffer("acc", F32, n // 2, "local")))
+
+
+@pytest.mark.parametrize("n,dt,plane", [(64, F16, 1), (128, BF16, 2), (64, F16, 3)])
+def test_register_a_wgmma_and_3d_tma_on_cuda_sim(n: int, dt: DType, plane: int) -> None:
+    kern = reg_a_kernel(n, dt, 3, plane)
+    verify_kernel(kern)
+    gen = torch.Generator().manual_seed(5)
+    A = torch.randn(64, 64, generator=gen).to(TORCH[dt])
+    B = torch.randn(3, n, 64, generator=gen).to(TORCH[dt])
+    D = torch.full((64, n), float("nan"))
+    compile_kernels([kern], check_races=True).launch(kern.name, [A, B, D])
+    if plane >= 3:  # past the outer dimension: TMA reads zeros
+        assert torch.equal(D, torch.zeros(64, n))
+        return
+    torch.testing.assert_close(D.double(), A.double() @ B[plane].double().T, atol=1e-4, rtol=1e-4)
+    mmasim = pytest.importorskip("mmasim.nv_ptx")
+    hw = torch.zeros(64, n)
+    for k0 in range(0, 64, 16):
+        hw = mmasim.WGMMA("Hopper", f"m64n{n}k16.f32.{dt.value}.{dt.value}")(A[:, k0:k0 + 16],
+                                                                          B[plane][:, k0:k0 + 16].T, hw)
+    torch.testing.assert_close(D, hw, atol=1e-3, rtol=1e-3)
+
+
+def test_register_a_and_outer_dims_text_ptx_and_checks() -> None:
+    kern = reg_a_kernel(64, F16, 3, 1)
+    text = print_kernel(kern)
+    assert "wgmma_m64n64k16(&acc[0], regs(&fa[8]), desc(&sB[16], swizzle=128, sbo=1024))" in text
+    assert "tma_load(&sB[0], B[3 (stride 4096) x 64x64, stride 64][1, 0, 0], box=64x64" in text
+    assert kernel_from_json(kernel_to_json(kern)) == kern
+    pm = emit_ptx([kern], arch="sm_90a")
+    assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile" in pm.ptx
+    assert pm.kernel(kern.name).tensor_maps[0].outer_dims == ((3, 4096),)
+    from sextant.codegen.ptxas import assemble
+
+    res = assemble(pm.ptx, "sm_90a")
+    assert "C7512" not in res.log and all(r.spill_stores == 0 for r in res.kernels.values())
+    wgmmas = [s for s in kern.body if isinstance(s, Wgmma)]
+    for message, bad in {
+        "in registers must be A": Wgmma(64, "acc", c(0), SmemMatrix("sB", c(0)), RegMatrix("fa", c(0))),  # type: ignore[arg-type]
+        "must be A in an f16 or bf16 local buffer": Wgmma(64, "acc", c(0), RegMatrix("acc", c(0)), wgmmas[0].b),
+        "out of bounds|outside": Wgmma(64, "acc", c(0), RegMatrix("fa", c(28)), wgmmas[0].b),
+    }.items():
+        body = tuple(bad if s is wgmmas[0] else s for s in kern.body)
+        with pytest.raises(KernelVerificationError, match=message):
+            verify_kernel(_with(kern, body=body))
+    tma = next(x for s in kern.body if isinstance(s, If) for x in s.then if isinstance(x, TmaLoad))
+    mistakes = (("outer coordinates over", (c(0),), ()), ("outer stride of 2 bytes", (c(0),), ((3, 1),)))
+    for message, outer, dims in mistakes:
+        bad_tma = TmaLoad(tma.dst, tma.dst_off, tma.src, tma.row, tma.col, tma.box, tma.shape, tma.stride, tma.swizzle,
+                          tma.bar, tma.bar_index, outer, dims)
+        body = tuple(If(s.cond, tuple(bad_tma if x is tma else x for x in s.then))
+                     if isinstance(s, If) and tma in s.then else s for s in kern.body)
+        with pytest.raises(KernelVerificationError, match=message):
+            verify_kernel(_with(kern, body=body))

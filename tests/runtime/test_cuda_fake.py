@@ -26,6 +26,7 @@ from sextant.frontend.capture import capture
 from sextant.graph.ir import Graph
 from sextant.graph.passes import run_pipeline
 from sextant.kernel.sizes import instantiate
+from sextant.kernel.wgmma import kernel_tensor_maps
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.cpu import CpuModule
 from sextant.runtime.cuda import CudaError, CudaRunner, CudaUnavailableError, SymbolicCudaRunner, require_cuda
@@ -204,13 +205,15 @@ class FakeDriver:
         for xs, kind in ((dims, u64), (strides, u64), (box, u32), (elem_strides, u32)):
             assert all(isinstance(x, kind) for x in xs)  # the real bindings refuse plain ints
         dims, strides, box, elem_strides = ([int(x) for x in xs] for xs in (dims, strides, box, elem_strides))
-        assert rank == 2 and len(dims) == 2 and len(strides) == 1 and len(box) == 2 and elem_strides == [1, 1]
-        assert address % 16 == 0 and strides[0] % 16 == 0 and all(1 <= b <= 256 for b in box)
+        assert 2 <= rank <= 5 and len(dims) == len(box) == rank and len(strides) == rank - 1
+        assert elem_strides == [1] * rank
+        assert address % 16 == 0 and all(k % 16 == 0 for k in strides) and all(1 <= b <= 256 for b in box)
         assert oob == cuda_driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE  # zeros past the edges
         swz = {cuda_driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE: 0,
                cuda_driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B: 128}[swizzle]
         tmap = cuda_driver.CUtensorMap()
-        tmap.opaque = [address, *dims, *strides, *box, swz] + [0] * 9
+        words = [address, *dims, *strides, *box, swz]
+        tmap.opaque = words + [0] * (16 - len(words))
         self.calls.append("cuTensorMapEncodeTiled")
         return OK, tmap
 
@@ -247,9 +250,11 @@ class FakeDriver:
         values = [ctypes.c_void_p.from_address(slots[k]).value or 0 for k in range(n)]
         for slot in maps:
             words = list((ctypes.c_uint64 * 16).from_address(slots[n + slot.index]))
-            (rows, cols), (br, bc), size = slot.spec.shape, slot.spec.box, slot.dtype.itemsize
-            assert words[:7] == [values[slot.param], cols, rows, slot.spec.stride * size, bc, br, slot.spec.swizzle], (
-                name, slot, words[:7])
+            spec, size = slot.spec, slot.dtype.itemsize
+            (rows, cols), (br, bc), outer = spec.shape, spec.box, spec.outer_dims[::-1]
+            expect = [values[slot.param], cols, rows, *(n for n, _ in outer), spec.stride * size,
+                      *(k * size for _, k in outer), bc, br, *[1] * len(outer), spec.swizzle]
+            assert words[:len(expect)] == expect, (name, slot, words[:len(expect)])
             self.maps_checked += 1
         return values
 
@@ -652,3 +657,31 @@ def test_tma_kernels_get_tensor_maps_of_each_calls_buffers(use_graph: bool) -> N
         torch.testing.assert_close(compiled(fresh).float(), expected, atol=3e-2, rtol=3e-2)
     assert fake.maps_checked >= 2 * 2 * (1 if use_graph else 3)  # two maps per GEMM, each launch or node
     assert fake.calls.count("cuTensorMapEncodeTiled") >= 4 + 2  # the weights' once, the inputs' per new tensor
+
+
+def test_tma_attention_maps_have_outer_dims() -> None:
+    """The sm_90a attention reads Q/K/V slices of one projection through 4-D tensor maps (batch
+    and head outer, the slice's offset as a head shift): the fake driver checks each map's words
+    against the kernel's spec at the launch's addresses, and the result matches eager."""
+    torch.manual_seed(0)
+
+    class Qkv(torch.nn.Module):
+        def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+            b, n, _ = qkv.shape
+            q, k, v = (t.view(b, n, 2, 64).transpose(1, 2) for t in qkv.split(128, dim=2))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    x = torch.randn(2, 80, 384).half()
+    graph = run_pipeline(capture(Qkv(), (x,)))
+    from sextant.schedule.target import gpu_target
+
+    program = schedule(graph, gpu_target("sm_90a"))
+    kernels = list(program.kernels.values())
+    (att,) = [k for k in kernels if k.meta.get("mapping") == "flash-attention-wgmma-tma"]
+    assert {len(m.outer_dims) for m in kernel_tensor_maps(att.body)} == {2}
+    fake = FakeDriver(program, compile_kernels(kernels))
+    runner = CudaRunner(program, ptx=emit_ptx(kernels, arch="sm_90a").ptx, arch="sm_90a", device="cpu", driver=fake)
+    compiled = CompiledModule(graph, "cuda", runner, device="cpu")
+    fresh = torch.randn(2, 80, 384).half()
+    torch.testing.assert_close(compiled(fresh).float(), Qkv()(fresh.float()), atol=2e-2, rtol=2e-2)
+    assert fake.maps_checked >= 3
