@@ -104,12 +104,13 @@ class TmaOperand:
     cols: int
     stride: int
     outer: tuple[tuple[int, int, int, int], ...]
+    lead: tuple[int, ...]  # the batch dims the outer dims' coordinates come from
 
-    def load(self, dst: str, dst_off: Expr, bz: Expr, lead: tuple, row: Expr, rows: int, bar: str,
+    def load(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, rows: int, bar: str,
              bar_index: Expr) -> list[TmaLoad]:
         """The copies of a ``rows × cols`` tile from ``row`` of matrix ``bz`` into ``dst``: one box of
         64 columns after the other, ``rows·64`` elements apart."""
-        idx = delinearize(bz, lead) if lead else ()
+        idx = delinearize(bz, self.lead) if self.lead else ()
         outer = tuple(iadd(idx[d], c(shift)) if shift else idx[d] for _, _, d, shift in self.outer)
         dims = tuple((n, k) for n, k, _, _ in self.outer)
         return [TmaLoad(dst, iadd(dst_off, c(j * rows * BOX)), self.name, row, c(j * BOX), (rows, BOX),
@@ -119,10 +120,16 @@ class TmaOperand:
 
 def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_axis: int) -> TmaOperand | None:
     """``x`` (``[*batch, a, b]``) as a :class:`TmaOperand` whose matrix rows run along ``row_axis``
-    and contiguous columns along ``col_axis`` (-1 or -2), or None."""
+    and contiguous columns along ``col_axis`` (-1 or -2), or None. A reshape that merges batch
+    dims no single stride describes (``[b, h, …]`` of a projection, permuted, flattened for a
+    ``bmm``) is looked through: its batch index is delinearised over the dims below it instead."""
     if is_symbolic(x.shape):
         return None
     view = strided_view(x, buffers, exact_from=dt)
+    while view is None and x.op in ("reshape", "cast") and x.inputs[0].shape[-2:] == x.shape[-2:] and (
+            x.op == "reshape" or x.inputs[0].dtype == dt):
+        x = x.inputs[0]
+        view = strided_view(x, buffers, exact_from=dt)
     if view is None or view.strides[col_axis] != 1:
         return None
     size = dt.itemsize
@@ -139,7 +146,7 @@ def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_
     if rest or len(dims) > MAX_OUTER or any((k * size) % 16 for _, k, _ in dims):
         return None
     return TmaOperand(buffers[id(view.buffer)], rows, cols, stride,
-                      tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims))
+                      tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims), tuple(int(n) for n in x.shape[:-2]))
 
 
 def wgmma_attention_refusal(att: Attention, target: TargetDesc) -> str | None:
@@ -191,7 +198,6 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
     first = _bool("eq", t, c(0))
     q0 = e.bind(imul(bq, br), "q0")
     k_stage, v_stage = BC * d, BC * dv  # elements per stage
-    lead_q, lead_k, lead_v = (tuple(x.shape[:-2]) for x in (q, kt, v))
     # causal: keys from the block's last query on are hidden from every row of the block
     kend = e.bind(imin(iadd(q0, c(br)), c(n_kv)), "kend") if att.causal else c(n_kv)
     tiles = e.bind(idiv(iadd(kend, c(BC - 1)), BC), "tiles") if att.causal else c(-(-n_kv // BC))
@@ -202,13 +208,13 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
         st = imod(kt_, STAGES)
         row = imul(kt_, BC)
         return [MbarrierArrive("bar", st, BC * (d + dv) * size),
-                *src_k.load("sK", imul(st, k_stage), bz, lead_k, row, BC, "bar", st),
-                *src_v.load("sV", imul(st, v_stage), bz, lead_v, row, BC, "bar", st)]
+                *src_k.load("sK", imul(st, k_stage), bz, row, BC, "bar", st),
+                *src_v.load("sV", imul(st, v_stage), bz, row, BC, "bar", st)]
 
     e.emit(If(first, tuple(MbarrierInit("bar", c(s), 1) for s in range(STAGES + 1))))
     e.emit(Barrier())
     prologue = [MbarrierArrive("bar", c(STAGES), br * d * size),
-                *src_q.load("sQ", c(0), bz, lead_q, q0, br, "bar", c(STAGES))]
+                *src_q.load("sQ", c(0), bz, q0, br, "bar", c(STAGES))]
     for p in range(min(STAGES, static_tiles)):
         prologue += [If(_bool("lt", c(p), tiles), tuple(issue(c(p))))] if att.causal else issue(c(p))
     e.emit(If(first, tuple(prologue)))
