@@ -893,8 +893,65 @@ def snippet_hopper_ptxas() -> str:
     return "\n".join(line for line in log if "Compile time" not in line)
 
 
+def _hopper_attention():  # GPT-2's causal attention (Q/K/V slices of one projection), fp16, for sm_90a
+    torch.manual_seed(0)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(128, 384)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, _ = x.shape
+            q, k, v = (t.view(b, n, 2, 64).transpose(1, 2) for t in self.qkv(x).split(128, dim=2))
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Attention().half().eval()
+    return sextant.compile(model, (torch.randn(2, 100, 128).half(),), target="cuda-sim", arch="sm_90a", cache=False)
+
+
+def snippet_hopper_attention_kernel() -> str:
+    """The Hopper attention's kernel IR: the copies, then the key loop with the softmax elided."""
+    from sextant.kernel.printer import print_kernel
+
+    kern = next(k for k in _hopper_attention().stages["program"].kernels.values()
+                if k.meta["mapping"] == "flash-attention-wgmma-tma")
+    lines = print_kernel(kern).splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.strip().startswith("if (tid.x == 0)"))
+    loop = next(i for i, ln in enumerate(lines) if ln.strip().startswith("for (kt"))
+    end = next(i for i in range(loop, len(lines)) if lines[i] == "  }")
+    keep = ("tma_load", "mbarrier", "wgmma", "__syncthreads", "if (", "kb", "vb")
+    prologue_end = next(i for i in range(start + 1, loop) if lines[i].startswith("  #pragma"))
+    out = [*lines[:4], "  ...", *lines[start:prologue_end], "  ...", lines[loop - 1], lines[loop]]  # Q awaited
+    skipped = 0
+    for ln in lines[loop + 1:end]:
+        if any(k in ln for k in keep):
+            if skipped:
+                out.append(f"    ... ({skipped} lines)")
+                skipped = 0
+            out.append(ln)
+        else:
+            skipped += 1
+    return "\n".join([*out, "  }", "  ..."])
+
+
+def snippet_hopper_attention_ptxas() -> str:
+    res = _hopper_attention().stages["ptxas"]
+    name = next(n for n in res.kernels if n.startswith("attention"))
+    log = [ln for ln in res.log.strip().splitlines() if "Compile time" not in ln and "C7519" not in ln]
+    keep, on = [], False
+    for ln in log:  # the attention kernel's lines only
+        if "Compiling entry function" in ln:
+            on = f"'{name}'" in ln
+        if on:
+            keep.append(ln)
+    return "\n".join(keep)
+
+
 SNIPPETS: dict[str, Callable[[], str]] = {
     "hopper-kernel": snippet_hopper_kernel,
+    "hopper-attention-kernel": snippet_hopper_attention_kernel,
+    "hopper-attention-ptxas": snippet_hopper_attention_ptxas,
     "hopper-ptx": snippet_hopper_ptx,
     "hopper-ptxas": snippet_hopper_ptxas,
     "bf16-pair-kernel": snippet_bf16_pair_kernel,
