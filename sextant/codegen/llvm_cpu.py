@@ -84,6 +84,7 @@ from sextant.kernel.ir import (
     Mma,
     PairDot,
     Select,
+    SetMaxNReg,
     Special,
     TmaLoad,
     Var,
@@ -575,8 +576,8 @@ class _KernelLowering(LoweringBase):
             hopper.tma_load(self, s)
         elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
             hopper.mbarrier(self, s)
-        elif isinstance(s, WgmmaFence | WgmmaCommit | WgmmaWait):
-            pass  # the wgmma completed when it was issued
+        elif isinstance(s, WgmmaFence | WgmmaCommit | WgmmaWait | SetMaxNReg):
+            pass  # the wgmma completed when it was issued; registers are not a CPU resource
         else:
             raise self._fail(f"unexpected statement {type(s).__name__} inside a phase")
 

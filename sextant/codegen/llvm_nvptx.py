@@ -54,6 +54,7 @@ from sextant.kernel.ir import (
     MbarrierWait,
     Mma,
     PairDot,
+    SetMaxNReg,
     SmemMatrix,
     Special,
     Stmt,
@@ -417,6 +418,8 @@ class _Lowering(LoweringBase):
             tc.cp_async_group(self, s)
         elif isinstance(s, Wgmma):
             hopper.wgmma(self, s)
+        elif isinstance(s, SetMaxNReg):
+            hopper.set_max_nreg(self, s)
         elif isinstance(s, WgmmaFence | WgmmaCommit | WgmmaWait):
             hopper.wgmma_sync(self, s)
         elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):

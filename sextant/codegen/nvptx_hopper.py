@@ -37,6 +37,7 @@ from sextant.kernel.ir import (
     MbarrierInit,
     MbarrierWait,
     RegMatrix,
+    SetMaxNReg,
     SmemMatrix,
     TmaLoad,
     Wgmma,
@@ -58,9 +59,9 @@ _DEFINE_TMAP = re.compile(r'ptr (%"' + re.escape(TMAP_PREFIX) + r'\d+")')
 def _check(low: _Lowering, s: object) -> None:
     """wgmma needs sm_90a; TMA and mbarriers sm_90."""
     arch = low.arch
-    if low.sm < 90 or (isinstance(s, Wgmma | WgmmaFence | WgmmaCommit | WgmmaWait) and not arch.endswith("a")):
-        need = "sm_90a (the architecture-specific Hopper target)" if isinstance(
-            s, Wgmma | WgmmaFence | WgmmaCommit | WgmmaWait) else "sm_90 or newer"
+    specific = Wgmma | WgmmaFence | WgmmaCommit | WgmmaWait | SetMaxNReg
+    if low.sm < 90 or (isinstance(s, specific) and not arch.endswith("a")):
+        need = "sm_90a (the architecture-specific Hopper target)" if isinstance(s, specific) else "sm_90 or newer"
         raise low._fail(f"{type(s).__name__} needs {need}; this module is compiled for {arch}")
 
 
@@ -132,6 +133,12 @@ def wgmma_sync(low: _Lowering, s: WgmmaFence | WgmmaCommit | WgmmaWait) -> None:
     res = b.call(asm, [b.load(p, typ=F32) for p in ptrs])
     for i, p in enumerate(ptrs):
         b.store(b.extract_value(res, i), p)
+
+
+def set_max_nreg(low: _Lowering, s: SetMaxNReg) -> None:
+    _check(low, s)
+    name = f"llvm.nvvm.setmaxnreg.{'inc' if s.inc else 'dec'}.sync.aligned.u32"
+    call_intrinsic(low, name, ir.VoidType(), [low._i32(s.count)])
 
 
 # -- mbarriers -----------------------------------------------------------------------------------

@@ -281,6 +281,38 @@ def has_sync(s: Stmt) -> bool:
     return False
 
 
+def jam_roles(s: If) -> tuple[Stmt, ...] | None:
+    """A thread-dependent ``If`` whose branches each run one synchronising loop over the same
+    variable and bounds — warp-specialised roles (a producer's loop, the consumers') — as one loop
+    whose body branches, the rest of each branch before and after it. The roles then advance
+    iteration by iteration, which is one of the interleavings a GPU may run (each role's waits
+    still checked); run as written, the first role would wait on the second before it started.
+    A branch whose loop lost its waits (the schedule's simplifier can prove them never taken) runs
+    whole before the other's loop. None when ``s`` is not of that form."""
+    def parts(body: tuple[Stmt, ...]) -> tuple[tuple[Stmt, ...], For | None, tuple[Stmt, ...]] | None:
+        at = [i for i, x in enumerate(body) if has_sync(x)]
+        if not at:
+            return body, None, ()
+        if len(at) != 1 or not isinstance(body[at[0]], For):
+            return None
+        loop = body[at[0]]
+        assert isinstance(loop, For)
+        return body[:at[0]], loop, body[at[0] + 1:]
+
+    a, b = parts(s.then), parts(s.orelse)
+    if a is None or b is None or (a[1] is None and b[1] is None):
+        return None
+    (pre_t, lt, post_t), (pre_e, le, post_e) = a, b
+    loop = lt or le
+    assert loop is not None
+    if lt is not None and le is not None and (lt.var, lt.start, lt.stop, lt.step) != (
+            le.var, le.start, le.stop, le.step):
+        return None
+    body = If(s.cond, lt.body if lt is not None else (), le.body if le is not None else ())
+    return (If(s.cond, pre_t, pre_e), For(loop.var, loop.start, loop.stop, loop.step, (body,)),
+            If(s.cond, post_t, post_e))
+
+
 def strip_sync(stmts: Sequence[Stmt]) -> tuple[Stmt, ...]:
     """The body as a one-thread block runs it: barriers vanish, a warp reduction of one lane
     is its operand."""
@@ -481,30 +513,45 @@ class _Planner:
             elif isinstance(s, If) and self.uniform.expr(s.cond):
                 flush()
                 items.append(UniformIf(s.cond, self.split(s.then, in_loop), self.split(s.orelse, in_loop)))
+            elif isinstance(s, If) and (jammed := jam_roles(s)) is not None:
+                flush()
+                items.extend(self.split(jammed, in_loop))
             elif isinstance(s, If):
-                # a thread-dependent If around warp reductions (``if tid < 32: WarpReduce``): the
-                # condition is saved per thread and each phase of the branches runs under it
+                # a thread-dependent If around warp reductions (``if tid < 32: WarpReduce``) or
+                # mbarrier waits (a producer's): the condition is saved per thread and each phase
+                # of the branches runs under it, the cuts of either branch cuts for the block
                 pred = Var(f"__pred{len(self.extra_vars)}", DType.bool)
                 self.extra_vars[pred.name] = DType.bool
                 then, orelse = self._predicated(s.then, s.cond, in_loop), self._predicated(s.orelse, s.cond, in_loop)
                 cur.append(Assign(pred, s.cond))
                 for i in range(max(len(then), len(orelse))):
-                    if i:
+                    sync = any(i < len(p) and p[i][0] for p in (then, orelse))
+                    if i or sync:
                         flush()
-                    cur.append(If(pred, then[i] if i < len(then) else (), orelse[i] if i < len(orelse) else ()))
+                    if sync and self.mark_barriers:
+                        items.append(Sync())
+                    cur.append(If(pred, then[i][1] if i < len(then) else (), orelse[i][1] if i < len(orelse) else ()))
         flush()
         return items
 
-    def _predicated(self, body: Sequence[Stmt], cond: Expr, in_loop: bool) -> list[tuple[PhaseStmt, ...]]:
-        """The phases of a branch under a thread-dependent condition (warp reductions only)."""
+    def _predicated(self, body: Sequence[Stmt], cond: Expr,
+                    in_loop: bool) -> list[tuple[bool, tuple[PhaseStmt, ...]]]:
+        """The phases of a branch under a thread-dependent condition (warp reductions, mbarrier
+        waits), each with whether an mbarrier wait's cut comes before it."""
         if any(isinstance(x, Barrier) for x in iter_stmts(body)):
             raise self._fail("an If", cond)
-        parts = []
+        parts, after_wait = [], False
         for it in self.split(body, in_loop):
+            if isinstance(it, Sync):
+                after_wait = True
+                continue
             if not isinstance(it, Phase):
-                raise CodegenError(f"kernel {self.kernel.name}: a warp reduction inside a loop or uniform If "
-                                   f"under the thread-dependent condition {cond!r} is not supported on the CPU")
-            parts.append(it.stmts)
+                raise CodegenError(f"kernel {self.kernel.name}: a warp reduction or mbarrier wait inside a loop or "
+                                   f"uniform If under the thread-dependent condition {cond!r} is not supported on "
+                                   "the CPU")
+            parts.append((after_wait or (not parts and bool(it.stmts) and isinstance(it.stmts[0], MbarrierWait)),
+                          it.stmts))
+            after_wait = False
         return parts
 
     def _mma_shape(self, s: Mma) -> MmaShape:

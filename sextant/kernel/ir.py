@@ -396,12 +396,24 @@ class TmaLoad:
     outer_dims: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class SetMaxNReg:
+    """``setmaxnreg.{inc,dec}.sync.aligned.u32``: each thread of this warpgroup now has ``count``
+    registers (24 to 256, a multiple of 8) — with ``inc`` it waits for them, without it gives the
+    rest back. Warp specialisation: a producer that only issues copies shrinks, the consumers that
+    hold accumulators grow. Every thread of the warpgroup executes it; the CPU ignores it."""
+
+    count: int
+    inc: bool
+
+
 Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit,  # noqa: UP007
              CpAsyncWait, PairDot, Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive,
-             MbarrierWait, TmaLoad]
+             MbarrierWait, TmaLoad, SetMaxNReg]
 WARP_COLLECTIVE = (WarpReduce, Mma, LdMatrix)  # every lane of the warp executes these together
 ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
-HOPPER = (Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive, MbarrierWait, TmaLoad)
+HOPPER = (Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive, MbarrierWait, TmaLoad,
+          SetMaxNReg)
 
 
 def stmt_operands(s: Stmt) -> tuple[Expr, ...]:

@@ -45,6 +45,7 @@ from sextant.kernel.ir import (
     PairDot,
     RegMatrix,
     Select,
+    SetMaxNReg,
     SmemMatrix,
     Special,
     Stmt,
@@ -161,6 +162,8 @@ def stmt_header(s: Stmt) -> str:
                 f"{_ref(s.b, s.b_off)})")
     if isinstance(s, Wgmma):
         return f"wgmma_m64n{s.n}k16({_ref(s.d, s.d_off)}, {_smem(s.a)}, {_smem(s.b)})"
+    if isinstance(s, SetMaxNReg):
+        return f"setmaxnreg_{'inc' if s.inc else 'dec'}({s.count})"
     if isinstance(s, WgmmaFence):
         return "wgmma_fence()"
     if isinstance(s, WgmmaCommit):

@@ -34,7 +34,7 @@ _NODE_CLASSES: dict[str, type] = {
                 ir.Assign, ir.Store, ir.AtomicAdd, ir.For, ir.If, ir.Barrier, ir.WarpReduce, ir.Mma, ir.LdMatrix,
                 ir.CpAsync, ir.CpAsyncCommit, ir.CpAsyncWait, ir.PairDot, ir.SmemMatrix, ir.RegMatrix, ir.Wgmma,
                 ir.WgmmaFence, ir.WgmmaCommit, ir.WgmmaWait, ir.MbarrierInit, ir.MbarrierArrive, ir.MbarrierWait,
-                ir.TmaLoad, ir.Buffer, ir.Kernel)
+                ir.TmaLoad, ir.SetMaxNReg, ir.Buffer, ir.Kernel)
 }
 
 

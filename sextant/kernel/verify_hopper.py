@@ -30,6 +30,7 @@ from sextant.kernel.ir import (
     MbarrierInit,
     MbarrierWait,
     RegMatrix,
+    SetMaxNReg,
     SmemMatrix,
     Stmt,
     TmaLoad,
@@ -123,12 +124,25 @@ def check(v: _Verifier, s: Stmt, defined: set[str], control: tuple[_Control, ...
             v.fail(s, f"an mbarrier expects 1 to {MAX_TX} arrivals, not {s.count!r}")
         if isinstance(s, MbarrierArrive) and not (isinstance(s.tx, int) and 0 <= s.tx <= MAX_TX):
             v.fail(s, f"an mbarrier phase expects 0 to {MAX_TX} transaction bytes, not {s.tx!r}")
-        c = v.varying(control, UNIFORM) if isinstance(s, MbarrierWait) else None
+        # a wait under a thread-dependent branch is fine (a producer's thread waits alone; the CPU
+        # emulation makes it a cut for the block and checks it in the threads that take the
+        # branch), but not in a loop whose trip count differs between threads (no cut can follow)
+        c = next((c for c in reversed(control) if c.level > UNIFORM and c.header.startswith("for")), None) \
+            if isinstance(s, MbarrierWait) else None
         if c is not None:
-            v.fail(s, f"mbarrier wait under thread-dependent control flow: `{c.header}` {c.reason}; "
-                      "every thread of the block waits (the CPU emulation runs it as a barrier)")
+            v.fail(s, f"mbarrier wait in a loop whose bounds differ between threads: `{c.header}` {c.reason}")
     elif isinstance(s, TmaLoad):
         _tma(v, s)
+    elif isinstance(s, SetMaxNReg):
+        if v.k.threads_per_block % WARPGROUP:
+            v.fail(s, f"setmaxnreg needs full warpgroups of {WARPGROUP} threads, but the block has "
+                      f"{v.k.threads_per_block}")
+        if not (isinstance(s.count, int) and 24 <= s.count <= 256 and s.count % 8 == 0):
+            v.fail(s, f"setmaxnreg to {s.count!r} registers (24 to 256, a multiple of 8)")
+        c = v.varying(control, WARP_UNIFORM)
+        if c is not None:
+            v.fail(s, f"setmaxnreg under control flow that differs within a warp: `{c.header}` {c.reason}; "
+                      "every thread of the warpgroup must execute it")
 
 
 def _bar(v: _Verifier, s: Stmt, name: str) -> None:

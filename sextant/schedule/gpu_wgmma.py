@@ -30,6 +30,7 @@ else keeps the ``mma.sync`` GEMM (``gpu_mma``), which sm_90a runs as well.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
@@ -42,12 +43,14 @@ from sextant.kernel.ir import (
     Cast,
     Const,
     Expr,
+    For,
     If,
     Kernel,
     Load,
     MbarrierArrive,
     MbarrierInit,
     MbarrierWait,
+    SetMaxNReg,
     SmemMatrix,
     Store,
     TmaLoad,
@@ -61,7 +64,7 @@ from sextant.kernel.sizes import with_grid
 from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import TC_DTYPES, half_product
-from sextant.schedule.indexing import c, divisible, iadd, idiv, imod, imul
+from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
@@ -74,23 +77,33 @@ ATOM = 1024  # bytes: 8 rows of 128
 
 @dataclass(frozen=True)
 class WgTile:
-    """A block tile ``bm × bn`` (``bm/64`` warpgroups), ``stages`` shared-memory stages of ``BK``."""
+    """A block tile ``bm × bn`` computed by ``bm/64`` consumer warpgroups, ``stages`` shared-memory
+    stages of ``BK``; ``producer``: one more warpgroup that only issues the copies (warp
+    specialisation, registers moved to the consumers with ``setmaxnreg``)."""
 
     bm: int
     bn: int
     stages: int
+    producer: bool = False
+
+    @property
+    def consumers(self) -> int:
+        return self.bm // WGMMA_M
 
     @property
     def threads(self) -> int:
-        return self.bm // WGMMA_M * WARPGROUP
+        return (self.consumers + self.producer) * WARPGROUP
 
     def meta(self) -> dict:
-        return {"tile": (self.bm, self.bn, BK), "warpgroups": self.bm // WGMMA_M, "stages": self.stages}
+        return {"tile": (self.bm, self.bn, BK), "warpgroups": self.consumers, "stages": self.stages,
+                "warp_specialized": self.producer}
 
 
-# 128×128 with 4 stages (128 KiB) is the usual Hopper starting point (CUTLASS's default for fp16);
-# one warpgroup of 64 rows for problems whose M is small.
-CANDIDATES = (WgTile(128, 128, 4), WgTile(64, 128, 4))
+# Warp-specialised 128 × 256 (or × 128 when N is small) with 4 stages (192 / 128 KiB): CUTLASS's
+# "cooperative" Hopper GEMM — a producer warpgroup and two consumers of 64 rows each; one
+# warpgroup of 64 rows, not specialised, for problems whose M is small.
+CANDIDATES = (WgTile(128, 256, 4, True), WgTile(128, 128, 4, True), WgTile(64, 128, 4))
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128·40 + 256·232 ≤ the SM's 65,536 registers
 
 
 def is_sm90a(target: TargetDesc) -> bool:
@@ -141,7 +154,9 @@ def uses_wgmma(group: Group, target: TargetDesc) -> bool:
 
 
 def choose_wg_tile(m: int, n: int) -> WgTile:
-    return CANDIDATES[1] if m <= WGMMA_M else CANDIDATES[0]
+    if m <= WGMMA_M:
+        return CANDIDATES[2]
+    return CANDIDATES[0] if n > 128 else CANDIDATES[1]
 
 
 def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
@@ -167,9 +182,6 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     t = TID_X
     wg = e.bind(idiv(t, WARPGROUP), "wg")
     first = _bool("eq", t, c(0))
-    zero = Const(0.0, DType.f32)
-    _strided_loop(e, c(0), bn_ // 2, 1, lambda u: e.emit(Store("acc", u, zero)), "u", unroll=True)
-
     row_elems = SWIZZLE // size  # elements in one swizzled 128-byte row
 
     def issue(kt: Expr) -> list:
@@ -189,6 +201,65 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
                               SWIZZLE, "bar", st) for j in range(bn_ // row_elems)]
         return loads
 
+    def mmas(st: Expr, cw: Expr) -> None:
+        """Consumer warpgroup ``cw``'s ``BK/16`` wgmmas on stage ``st``."""
+        a_base = e.bind(iadd(imul(st, a_stage), imul(cw, WGMMA_M * BK)), "sa")
+        b_base = e.bind(imul(st, b_stage), "sb")
+        for kk in range(BK // 16):
+            if src_b.k_major:
+                b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk)), SWIZZLE, 0, ATOM)
+            else:  # 16 K-rows of 128 bytes per step; the next 64 columns of N one box (BK rows) on
+                b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk * row_elems)), SWIZZLE, BK * SWIZZLE, ATOM, "mn")
+            e.emit(Wgmma(bn_, "acc", c(0), SmemMatrix("sA", iadd(a_base, c(16 * kk)), SWIZZLE, 0, ATOM), b_op))
+
+    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+        e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
+        store_epilogue(e, group, (row, col))
+        e.regs.pop(id(mm))
+
+    def stores(cw: Expr) -> None:
+        """Consumer warpgroup ``cw``'s accumulators through the fused epilogue, at the D layout's
+        rows and columns, guarded at the edges."""
+        lane = imod(t, 32)
+        g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
+        wrow = e.bind(iadd(i0, iadd(imul(cw, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
+
+        def element(i: Var) -> None:
+            half = Binary("shr", i, c(1), DType.i32)
+            row = e.bind(iadd(iadd(wrow, g), imul(imod(half, 2), 8)), "row")
+            col = e.bind(iadd(j0, iadd(imul(Binary("shr", i, c(2), DType.i32), 8), iadd(q, imod(i, 2)))), "col")
+            guard = _and([_bool("lt", v, c(lim)) for v, lim, sz in ((row, m, bm_), (col, n, bn_))
+                          if not divisible(lim, sz)])
+            _guarded(e, guard, lambda: epilogue(row, col, Load("acc", i, DType.f32)))
+
+        _strided_loop(e, c(0), bn_ // 2, 1, element, "ci", unroll=True)
+
+    def zero_acc() -> None:
+        _strided_loop(e, c(0), bn_ // 2, 1, lambda u: e.emit(Store("acc", u, Const(0.0, DType.f32))), "u",
+                      unroll=True)
+
+    if tile.producer:
+        _specialized(e, tile, k_tiles, first, wg, issue, mmas, zero_acc, stores)
+    else:
+        zero_acc()
+        _mainloop(e, tile, k_tiles, first, wg, issue, mmas)
+        stores(wg)
+    shared = [Buffer("sA", dt, S * a_stage, "shared"), Buffer("sB", dt, S * b_stage, "shared"),
+              Buffer("bar", DType.i64, 2 * S if tile.producer else S, "shared")]
+    _check_shared(name, shared, target)
+    meta = {"mapping": "wgmma-tma", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}"}
+    if tile.producer:
+        meta["registers"] = {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS}
+    kernel = Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
+                    local=(Buffer("acc", DType.f32, bn_ // 2, "local"),), meta=meta)
+    return with_grid(kernel, grid)
+
+
+def _mainloop(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr, issue: Callable[[Expr], list],
+              mmas: Callable[[Expr, Expr], None]) -> None:
+    """Every warpgroup computes; thread 0 also issues the copies (one mbarrier per stage), and a
+    block barrier after each K step says the stage one back is free to refill."""
+    S = tile.stages
     e.emit(If(first, tuple(MbarrierInit("bar", c(s), 1) for s in range(S))))
     e.emit(Barrier())
     prologue = [x for p in range(min(S - 1, k_tiles)) for x in issue(c(p))]
@@ -198,14 +269,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
         st = e.bind(imod(kt, S), "st")
         e.emit(MbarrierWait("bar", st, imod(idiv(kt, S), 2)))
         e.emit(WgmmaFence())
-        a_base = e.bind(iadd(imul(st, a_stage), imul(wg, WGMMA_M * BK)), "sa")
-        b_base = e.bind(imul(st, b_stage), "sb")
-        for kk in range(BK // 16):
-            if src_b.k_major:
-                b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk)), SWIZZLE, 0, ATOM)
-            else:  # 16 K-rows of 128 bytes per step; the next 64 columns of N one box (BK rows) on
-                b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk * row_elems)), SWIZZLE, BK * SWIZZLE, ATOM, "mn")
-            e.emit(Wgmma(bn_, "acc", c(0), SmemMatrix("sA", iadd(a_base, c(16 * kk)), SWIZZLE, 0, ATOM), b_op))
+        mmas(st, wg)
         e.emit(WgmmaCommit())
         e.emit(WgmmaWait(1, ("acc",)))
         e.emit(Barrier())  # every warpgroup is done with stage kt-1: refill it with tile kt+S-1
@@ -217,28 +281,58 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     _strided_loop(e, c(0), k_tiles, 1, k_tile, "kt")
     e.emit(WgmmaWait(0, ("acc",)))
 
-    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
-        e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
-        store_epilogue(e, group, (row, col))
-        e.regs.pop(id(mm))
 
-    lane = imod(t, 32)
-    g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
-    wrow = e.bind(iadd(i0, iadd(imul(wg, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
-
-    def element(i: Var) -> None:
-        half = Binary("shr", i, c(1), DType.i32)
-        row = e.bind(iadd(iadd(wrow, g), imul(imod(half, 2), 8)), "row")
-        col = e.bind(iadd(j0, iadd(imul(Binary("shr", i, c(2), DType.i32), 8), iadd(q, imod(i, 2)))), "col")
-        guard = _and([_bool("lt", v, c(lim)) for v, lim, sz in ((row, m, bm_), (col, n, bn_))
-                      if not divisible(lim, sz)])
-        _guarded(e, guard, lambda: epilogue(row, col, Load("acc", i, DType.f32)))
-
-    _strided_loop(e, c(0), bn_ // 2, 1, element, "ci", unroll=True)
-    shared = [Buffer("sA", dt, S * a_stage, "shared"), Buffer("sB", dt, S * b_stage, "shared"),
-              Buffer("bar", DType.i64, S, "shared")]
-    _check_shared(name, shared, target)
-    meta = {"mapping": "wgmma-tma", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}"}
-    kernel = Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
-                    local=(Buffer("acc", DType.f32, bn_ // 2, "local"),), meta=meta)
-    return with_grid(kernel, grid)
+def _specialized(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr, issue: Callable[[Expr], list],
+                 mmas: Callable[[Expr, Expr], None], zero_acc: Callable[[], None],
+                 stores: Callable[[Expr], None]) -> None:
+    """Warpgroup 0 produces, the others consume, each role its own loop (so the producer holds no
+    accumulators and gives its registers up); no block barrier after the start. Stage ``s`` has a
+    *full* barrier ``bar[s]`` (the producer's arrival announcing the bytes, then the copies) and an
+    *empty* one ``bar[S + s]`` (one arrival per consumer thread once the wgmmas reading the stage
+    are done). The producer copies tiles ``0 … S-3`` first; in its iteration ``kt`` it waits until
+    tile ``kt-2`` is released (the empty barrier's phase ``(kt-2)/S``: its stage is the one tile
+    ``kt+S-2`` goes to) and copies that tile. Consumer iteration ``kt`` waits for tile ``kt``'s
+    full phase ``kt/S``, multiplies, waits until one group is in flight and releases tile ``kt-1``.
+    On the GPU each role runs at its own pace, the producer up to ``S-2`` tiles ahead (one stage
+    is the group still in flight, one the tile being multiplied). cuda-sim runs the two loops
+    interleaved iteration by iteration (``codegen.simt.jam_roles``), every wait a cut whose phase
+    it checks; that the releases a producer waits for come from an earlier iteration is what
+    makes that interleaving run."""
+    S = tile.stages
+    lead = S - 2
+    assert lead >= 1, "a specialised pipeline needs 3 stages or more"
+    consumer_threads = tile.consumers * WARPGROUP
+    e.emit(If(first, tuple([*(MbarrierInit("bar", c(s), 1) for s in range(S)),
+                            *(MbarrierInit("bar", c(S + s), consumer_threads) for s in range(S))])))
+    e.emit(Barrier())
+    kt = e.var("kt")
+    with e.scope() as produce:
+        e.emit(SetMaxNReg(PRODUCER_REGS, False))
+        e.emit(If(first, tuple(x for p in range(min(lead, k_tiles)) for x in issue(c(p)))))
+        with e.scope() as body:
+            nxt = iadd(kt, c(lead))
+            more = _and([first, _bool("lt", nxt, c(k_tiles))])
+            released = _and([first, _bool("lt", nxt, c(k_tiles)), _bool("ge", kt, c(2))])
+            assert more is not None and released is not None
+            stage = iadd(imod(nxt, S), c(S))
+            parity = imod(idiv(Binary("sub", kt, c(2), DType.i32), S), 2)
+            e.emit(If(released, (MbarrierWait("bar", stage, parity),)))
+            e.emit(If(more, tuple(issue(nxt))))
+        e.emit(For(kt, c(0), c(k_tiles), 1, tuple(body)))
+    with e.scope() as consume:
+        e.emit(SetMaxNReg(CONSUMER_REGS, True))
+        cw = e.bind(Binary("sub", wg, c(1), DType.i32), "cw")  # consumer cw owns rows 64·cw … of the tile
+        zero_acc()
+        with e.scope() as body:
+            st = e.bind(imod(kt, S), "st")
+            e.emit(MbarrierWait("bar", st, imod(idiv(kt, S), 2)))
+            e.emit(WgmmaFence())
+            mmas(st, cw)
+            e.emit(WgmmaCommit())
+            e.emit(WgmmaWait(1, ("acc",)))  # tile kt-1's products are done: release its stage
+            release = MbarrierArrive("bar", iadd(imod(iadd(kt, c(S - 1)), S), c(S)))
+            e.emit(If(_bool("ge", kt, c(1)), (release,)))
+        e.emit(For(kt, c(0), c(k_tiles), 1, tuple(body)))
+        e.emit(WgmmaWait(0, ("acc",)))
+        stores(cw)
+    e.emit(If(_bool("eq", wg, c(0)), tuple(produce), tuple(consume)))

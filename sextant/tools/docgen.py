@@ -853,28 +853,27 @@ def snippet_bf16_pair_kernel() -> str:
 
 
 @functools.cache
-def _hopper_linear():  # an fp16 Linear + GELU (200 rows, 136 -> 72: ragged everywhere) for sm_90a, through cuda-sim
+def _hopper_linear():  # an fp16 Linear + GELU (200 rows, 392 -> 72: ragged everywhere) for sm_90a, through cuda-sim
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(136, 72), nn.GELU()).half().eval()
-    return sextant.compile(model, (torch.randn(200, 136).half(),), target="cuda-sim", arch="sm_90a", cache=False)
+    model = nn.Sequential(nn.Linear(392, 72), nn.GELU()).half().eval()
+    return sextant.compile(model, (torch.randn(200, 392).half(),), target="cuda-sim", arch="sm_90a", cache=False)
 
 
 def snippet_hopper_kernel() -> str:
-    """The wgmma + TMA GEMM's kernel IR: prologue, the K loop, the start of the epilogue."""
+    """The wgmma + TMA GEMM's kernel IR: the barriers, the producer's loop, the consumers' loop."""
     from sextant.kernel.printer import print_kernel
 
     lines = print_kernel(next(iter(_hopper_linear().stages["program"].kernels.values()))).splitlines()
-    loop = next(i for i, ln in enumerate(lines) if ln.strip().startswith("for (kt"))
-    end = next(i for i in range(loop, len(lines)) if lines[i] == "  }")
-    return "\n".join([*lines[:loop], *lines[loop:end + 2], "  ..."])
+    end = next(i for i, ln in enumerate(lines) if ln.strip() == "wgmma_wait(0, acc)")
+    return "\n".join([*lines[:end + 1], "    ..."])
 
 
 def snippet_hopper_ptx() -> str:
-    """The K loop's PTX: the mbarrier wait, the wgmmas, the wait that ties the accumulators, the refill."""
+    """The PTX of both roles: the copies and waits, the wgmmas, the wait that ties the accumulators."""
     from sextant.codegen.llvm_nvptx import ptx_entries
 
     lines = ptx_entries(_hopper_linear().stages["ptx"].ptx)["matmul_0"].splitlines()
-    keep = ("mbarrier", "wgmma", "cp.async.bulk", "bar.sync", ".param .align", "fence.proxy")
+    keep = ("mbarrier", "wgmma", "cp.async.bulk", "bar.sync", ".param .align", "fence.proxy", "setmaxnreg")
     out = []
     for ln in lines:
         if any(k in ln for k in keep):

@@ -256,8 +256,8 @@ def test_verifier_rejects_misuse() -> None:
             lambda s: If(s.cond, tuple(TmaLoad(x.dst, c(64), x.src, x.row, x.col, x.box, x.shape, x.stride, 128,
                                                x.bar, x.bar_index) if isinstance(x, TmaLoad) else x for x in s.then))
             if isinstance(s, If) else s),
-        "mbarrier wait under thread-dependent control flow": replaced(
-            lambda s: If(is_thread0(), (s,)) if isinstance(s, MbarrierWait) else s),
+        "mbarrier wait in a loop whose bounds differ between threads": replaced(
+            lambda s: For(Var("j"), c(0), TID, 1, (s,)) if isinstance(s, MbarrierWait) else s),
         "wgmma under control flow that differs within a warp": replaced(
             lambda s: If(is_thread0(), (s,)) if isinstance(s, Wgmma) else s),
         "shared i64 buffer": replaced(lambda s: MbarrierWait("sA", s.index, s.parity) if isinstance(s, MbarrierWait)

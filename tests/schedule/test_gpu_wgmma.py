@@ -90,3 +90,68 @@ def test_sm90_without_a_keeps_mma_sync() -> None:
     mod = Linear(64, 64).half()
     cm = sextant.compile(mod, (torch.randn(64, 64).half(),), target="cuda-sim", arch="sm_90")
     assert {kn.meta["mapping"] for kn in cm.stages["program"].kernels.values()} == {"tensor-core"}
+
+
+def _ws_kernel(m: int, k: int, n: int) -> tuple[torch.nn.Module, torch.Tensor, sextant.kernel.ir.Kernel]:
+    from sextant.frontend.capture import capture
+    from sextant.graph.passes import run_pipeline
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import gpu_target
+
+    torch.manual_seed(4)
+    mod = Linear(k, n, act=False).half()
+    x = torch.randn(m, k).half()
+    program = schedule(run_pipeline(capture(mod, (x,))), gpu_target("sm_90a"))
+    (kern,) = program.kernels.values()
+    return mod, x, kern
+
+
+def test_large_tiles_are_warp_specialized_with_register_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """M > 64: a producer warpgroup issues the copies (40 registers), two consumers compute (232), full
+    and empty barriers per stage and no block barrier in the loop; N > 128 takes the 128 × 256 tile."""
+    mod, x, kern = _ws_kernel(256, 320, 256)
+    assert kern.meta["warp_specialized"] and kern.meta["tile"] == (128, 256, 64) and kern.block == (384, 1, 1)
+    text = sextant.kernel.printer.print_kernel(kern)
+    assert "setmaxnreg_dec(40)" in text and "setmaxnreg_inc(232)" in text
+    assert "mbarrier_init(&bar[4], 256)" in text  # an empty barrier: every consumer thread arrives
+    assert text.count("__syncthreads()") == 1  # after the barriers' initialisation only
+    cm = _compile(mod, (x,), monkeypatch)
+    x2 = torch.randn(256, 320).half()
+    torch.testing.assert_close(cm(x2).float(), mod.float()(x2.float()), atol=2e-2, rtol=2e-2)
+    ptx = cm.stages["ptx"].ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t232;" in ptx
+    res = cm.stages["ptxas"]
+    assert "C7512" not in res.log and "serialized" not in res.log
+    (r,) = res.kernels.values()
+    assert r.spill_stores == r.spill_loads == 0 and r.registers <= 168  # 384 threads launch within 65,536
+
+
+@pytest.mark.parametrize("mistake", ["no_release", "wrong_parity"])
+def test_checked_build_reports_a_producer_that_would_hang(mistake: str) -> None:
+    """The consumers never release a stage, or the producer waits for the wrong phase of its empty
+    barrier: on a GPU the producer waits forever; cuda-sim's checked build says so."""
+    import dataclasses
+
+    from sextant.codegen import compile_kernels
+    from sextant.codegen.race_check import MbarrierHangError
+    from sextant.kernel.ir import Binary, For, If, MbarrierArrive, MbarrierWait, c
+
+    _, x, kern = _ws_kernel(256, 384, 256)  # 6 K tiles: the producer waits in its third and fourth
+
+    def mutate(s):  # type: ignore[no-untyped-def]
+        if isinstance(s, For):
+            return dataclasses.replace(s, body=tuple(mutate(x) for x in s.body))
+        if isinstance(s, If):
+            if mistake == "no_release" and len(s.then) == 1 and isinstance(s.then[0], MbarrierArrive):
+                return If(s.cond, ())
+            return If(s.cond, tuple(mutate(x) for x in s.then), tuple(mutate(x) for x in s.orelse))
+        if mistake == "wrong_parity" and isinstance(s, MbarrierWait) and isinstance(s.index, Binary):  # the producer's
+            return dataclasses.replace(s, parity=Binary("bitwise_xor", s.parity, c(1), s.parity.dtype))
+        return s
+
+    bad = dataclasses.replace(kern, body=tuple(mutate(s) for s in kern.body))
+    assert bad != kern
+    w = torch.randn(256, 384).half()
+    with pytest.raises(MbarrierHangError, match="mbarrier bar"):
+        compile_kernels([bad], check_races=True).launch(bad.name, [x, w, torch.zeros(256).half(),
+                                                                   torch.zeros(256, 256).half()])
