@@ -284,16 +284,17 @@ def has_sync(s: Stmt) -> bool:
 def jam_roles(s: If) -> tuple[Stmt, ...] | None:
     """A thread-dependent ``If`` whose branches each run one synchronising loop over the same
     variable and bounds — warp-specialised roles (a producer's loop, the consumers') — as one loop
-    whose body branches, the rest of each branch before and after it. The roles then advance
+    whose body branches, the rest of each branch before and after it (straight-line code, whose
+    waits and warp reductions the predicated branches handle). The roles then advance
     iteration by iteration, which is one of the interleavings a GPU may run (each role's waits
     still checked); run as written, the first role would wait on the second before it started.
     A branch whose loop lost its waits (the schedule's simplifier can prove them never taken) runs
     whole before the other's loop. None when ``s`` is not of that form."""
     def parts(body: tuple[Stmt, ...]) -> tuple[tuple[Stmt, ...], For | None, tuple[Stmt, ...]] | None:
-        at = [i for i, x in enumerate(body) if has_sync(x)]
+        at = [i for i, x in enumerate(body) if isinstance(x, For) and has_sync(x)]
         if not at:
             return body, None, ()
-        if len(at) != 1 or not isinstance(body[at[0]], For):
+        if len(at) != 1:
             return None
         loop = body[at[0]]
         assert isinstance(loop, For)

@@ -63,6 +63,17 @@ def a_coord(thread: int, i: int) -> tuple[int, int]:
     return 16 * warp + g + 8 * ((i >> 1) & 1), 2 * t + (i & 1) + 8 * (i >> 2)
 
 
+REGISTERS_PER_SM = 65536
+
+
+def launch_registers(threads: int) -> int:
+    """The registers per thread a block of ``threads`` launches with when one block fills an SM
+    (a multiple of 8, at most 255): the ``.maxnreg`` a kernel that moves registers between its
+    warpgroups with ``setmaxnreg`` must declare — ptxas ignores ``setmaxnreg`` when the count at
+    entry is not fixed (its C7508)."""
+    return min(248, REGISTERS_PER_SM // threads // 8 * 8)
+
+
 def wgmma_n_ok(n: int) -> bool:
     """N of an f16/bf16 ``wgmma``: a multiple of 8 from 8 to 256."""
     return isinstance(n, int) and 8 <= n <= 256 and n % 8 == 0

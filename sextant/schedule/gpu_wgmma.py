@@ -61,7 +61,7 @@ from sextant.kernel.ir import (
     WgmmaWait,
 )
 from sextant.kernel.sizes import with_grid
-from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
+from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import TC_DTYPES, half_product
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imod, imul
@@ -250,6 +250,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     meta = {"mapping": "wgmma-tma", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}"}
     if tile.producer:
         meta["registers"] = {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS}
+        meta["max_registers"] = min(launch_registers(tile.threads), CONSUMER_REGS)  # inc never lowers
     kernel = Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
                     local=(Buffer("acc", DType.f32, bn_ // 2, "local"),), meta=meta)
     return with_grid(kernel, grid)

@@ -1,20 +1,22 @@
 """Hopper flash attention: ``softmax(f(Q·Kᵀ))·V`` with warpgroup MMAs fed by TMA (sm_90a).
 
-The FlashAttention-3 recipe's first rung — its data movement and its two products on the
-Hopper instructions, without warp specialisation yet:
+The FlashAttention-3 recipe up to its warp specialisation (the ping-pong between consumers and
+the softmax overlapped with the next product are not here yet):
 
-* **One block per ``BR = 64·W`` query rows** of one batch/head, ``W`` warpgroups (2, or 1 for
-  short sequences); warpgroup ``w`` owns rows ``64w …`` and keeps everything of them in
-  registers: the ``BC/2`` score accumulators, the ``Dv/2`` output accumulators, the running row
-  max and sum (a thread holds two rows, as in the D layout).
+* **One block per ``BR = 64·W`` query rows** of one batch/head: a *producer* warpgroup that
+  only issues copies (``setmaxnreg`` down to 24 registers) and ``W`` *consumer* warpgroups (2,
+  or 1 for short sequences; up to 240 registers); consumer ``w`` owns rows ``64w …`` and keeps
+  everything of them in registers: the ``BC/2`` score accumulators, the ``Dv/2`` output
+  accumulators, the running row max and sum (a thread holds two rows, as in the D layout).
 * **Q once, K and V streamed by TMA.** Q's tile is copied once (its own mbarrier); K and V tiles
-  of ``BC = 64`` keys go through a ring of ``S = 2`` stages, each one mbarrier announcing both
-  copies' bytes. All three are written with the 128-byte swizzle, in boxes of 64 columns (one
-  swizzled row each), and read by wgmma through matching descriptors: Q as A and K as B are
-  K-major (the head dim contiguous, ``Wᵀ``-like); V is B of ``P·V`` with its keys as K and its
-  head dim as N — stored ``keys × Dv``, so MN-major (the transpose bit, ``LBO`` one box). The
-  batch and head dims are the tensor maps' outer dimensions, so a tile never reads a
-  neighbouring head: rows past the sequence arrive as zeros.
+  of ``BC = 64`` keys go through a ring of ``S = 3`` stages, each with a *full* mbarrier (the
+  producer's arrival announcing both copies' bytes) and an *empty* one (one arrival per
+  consumer thread when it is done with the stage). All three are written with the 128-byte
+  swizzle, in boxes of 64 columns (one swizzled row each), and read by wgmma through matching
+  descriptors: Q as A and K as B are K-major (the head dim contiguous, ``Wᵀ``-like); V is B of
+  ``P·V`` with its keys as K and its head dim as N — stored ``keys × Dv``, so MN-major (the
+  transpose bit, ``LBO`` one box). The batch and head dims are the tensor maps' outer
+  dimensions, so a tile never reads a neighbouring head: rows past the sequence arrive as zeros.
 * **``S = Q·Kᵀ``**: ``D/16`` wgmmas of ``64 × BC``, committed and awaited.
 * **The online softmax in registers** — the fused logit ops (scale, masks) per accumulator at
   its ``(row, key)``, the row max over the quad that holds a row (a width-4 butterfly), the
@@ -24,10 +26,11 @@ Hopper instructions, without warp specialisation yet:
   S holds the same ``(row, key)`` pairs as the register A fragment of one 16-key step
   (``kernel.wgmma.a_coord``), so P is cast to f16/bf16 in place and fed as a ``RegMatrix`` —
   it never touches shared memory.
-* **The ring**: after both products of tile ``t`` have completed (``wgmma.wait_group 0``), a
-  block barrier says every warpgroup is done with its stage and thread 0 refills it with tile
-  ``t + S``; the copy of the next tile runs while the current one is computed. Causal: tiles
-  past the block's last query are never loaded or computed.
+* **The ring**: after both products of tile ``t`` have completed (``wgmma.wait_group 0``), each
+  consumer thread arrives on the stage's empty barrier; the producer, in its iteration ``t``,
+  waits for tile ``t - 1``'s release and copies tile ``t + 2`` into that stage — two tiles in
+  flight while one is computed, and no block barrier after the start. Causal: tiles past the
+  block's last query are never loaded or computed.
 * **Epilogue**: ``O / l``, cast, the group's fused epilogue, stored at the D layout's positions.
 
 Used on ``sm_90a`` for static f16/bf16 attention whose Q, K and V are strided views TMA can
@@ -39,7 +42,6 @@ else keeps the ``mma.sync`` flash kernel, which sm_90a runs as well.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
@@ -62,6 +64,7 @@ from sextant.kernel.ir import (
     MbarrierWait,
     RegMatrix,
     Select,
+    SetMaxNReg,
     SmemMatrix,
     Store,
     TmaLoad,
@@ -74,7 +77,7 @@ from sextant.kernel.ir import (
     WgmmaWait,
 )
 from sextant.kernel.sizes import with_grid
-from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
+from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
 from sextant.schedule.attention_match import Attention, at
 from sextant.schedule.gpu_flash_attention import half_dtype, logit
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
@@ -86,7 +89,9 @@ from sextant.schedule.target import TargetDesc
 from sextant.schedule.views import strided_view
 
 BC = 64  # keys per K/V tile
-STAGES = 2
+STAGES = 3
+LEAD = STAGES - 1  # tiles the producer copies ahead: tile kt + LEAD once the consumers released tile kt - 1
+PRODUCER_REGS, CONSUMER_REGS = 24, 240  # FlashAttention-3's split: 128·24 + 256·240 ≤ 65,536
 HEADS = (64, 128)  # head sizes: whole 128-byte swizzled rows of f16/bf16, accumulators in registers
 BOX = SWIZZLE // 2  # columns of one box (one swizzled row of 16-bit elements)
 MAX_OUTER = 3  # a tensor map has at most 5 dimensions
@@ -181,7 +186,7 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
     dt = half_dtype(att.q)
     assert dt is not None
     acc_t, size = DType.f32, dt.itemsize
-    q, kt, v, out = att.q, att.kt, att.v, att.out
+    q, kt, v = att.q, att.kt, att.v
     *batch, n_q, d = (int(x) for x in q.shape)
     n_kv, dv = int(kt.shape[-1]), int(v.shape[-1])
     e, params, _ = setup_kernel(group, stored)
@@ -211,15 +216,62 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
                 *src_k.load("sK", imul(st, k_stage), bz, row, BC, "bar", st),
                 *src_v.load("sV", imul(st, v_stage), bz, row, BC, "bar", st)]
 
-    e.emit(If(first, tuple(MbarrierInit("bar", c(s), 1) for s in range(STAGES + 1))))
+    qbar = c(2 * STAGES)  # full[s] = bar[s], empty[s] = bar[S + s], Q's = bar[2S]
+    consumer_threads = wgs * WARPGROUP
+    e.emit(If(first, (*(MbarrierInit("bar", c(s), 1) for s in range(STAGES)),
+                      *(MbarrierInit("bar", c(STAGES + s), consumer_threads) for s in range(STAGES)),
+                      MbarrierInit("bar", qbar, 1))))
     e.emit(Barrier())
-    prologue = [MbarrierArrive("bar", c(STAGES), br * d * size),
-                *src_q.load("sQ", c(0), bz, q0, br, "bar", c(STAGES))]
-    for p in range(min(STAGES, static_tiles)):
-        prologue += [If(_bool("lt", c(p), tiles), tuple(issue(c(p))))] if att.causal else issue(c(p))
-    e.emit(If(first, tuple(prologue)))
+    kt_ = e.var("kt")
+    loop_stop = tiles if att.causal else c(static_tiles)
 
+    # -- the producer: Q and the first LEAD tiles, then tile kt + LEAD once tile kt - 1 is released
+    with e.scope() as produce:
+        e.emit(SetMaxNReg(PRODUCER_REGS, False))
+        prologue: list = [MbarrierArrive("bar", qbar, br * d * size),
+                          *src_q.load("sQ", c(0), bz, q0, br, "bar", qbar)]
+        for p in range(min(LEAD, static_tiles)):
+            prologue += [If(_bool("lt", c(p), tiles), tuple(issue(c(p))))] if att.causal else issue(c(p))
+        e.emit(If(first, tuple(prologue)))
+        with e.scope() as body:
+            nxt = iadd(kt_, c(LEAD))
+            more = _and([first, _bool("lt", nxt, tiles)])
+            released = _and([first, _bool("lt", nxt, tiles), _bool("ge", kt_, c(1))])
+            assert more is not None and released is not None
+            parity = imod(idiv(Binary("sub", kt_, c(1), DType.i32), STAGES), 2)  # tile kt-1's release
+            e.emit(If(released, (MbarrierWait("bar", iadd(imod(nxt, STAGES), c(STAGES)), parity),)))
+            e.emit(If(more, tuple(issue(nxt))))
+        e.emit(For(kt_, c(0), loop_stop, 1, tuple(body)))
+
+    # -- the consumers: 64 query rows each, both products and the softmax of every key tile
+    with e.scope() as consume:
+        e.emit(SetMaxNReg(CONSUMER_REGS, True))
+        cw = e.bind(Binary("sub", wg, c(1), DType.i32), "cw")
+        _consumer(e, att, dt, cw, lane, bz, q0, br, n_q, n_kv, d, dv, kt_, loop_stop, group)
+    e.emit(If(_bool("eq", wg, c(0)), tuple(produce), tuple(consume)))
+    shared = [Buffer("sQ", dt, br * d, "shared"), Buffer("sK", dt, STAGES * k_stage, "shared"),
+              Buffer("sV", dt, STAGES * v_stage, "shared"), Buffer("bar", DType.i64, 2 * STAGES + 1, "shared")]
+    _check_shared(name, shared, target)
+    n_s, n_o = BC // 2, dv // 2
+    local = (Buffer("sacc", acc_t, n_s, "local"), Buffer("fp", dt, n_s, "local"), Buffer("oacc", acc_t, n_o, "local"))
+    meta = {"mapping": "flash-attention-wgmma-tma", "tile": (br, BC), "warpgroups": wgs, "stages": STAGES,
+            "mma": f"m64n{BC}k16/m64n{dv}k16.{dt.value}", "head": (d, dv), "warp_specialized": True,
+            "registers": {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS},
+            "max_registers": min(launch_registers((wgs + 1) * WARPGROUP), CONSUMER_REGS)}  # inc never lowers
+    return with_grid(Kernel(name, tuple(params), (1, 1, 1), ((wgs + 1) * WARPGROUP, 1, 1), tuple(e.stmts),
+                            shared=tuple(shared), local=local, meta=meta), grid)
+
+
+
+def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, bz: Expr, q0: Expr, br: int,
+              n_q: int, n_kv: int, d: int, dv: int, kt_: Var, stop: Expr, group: Group) -> None:
+    """Consumer warpgroup ``cw``: rows ``q0 + 64·cw …``; per key tile wait for its full barrier,
+    ``S = Q·Kᵀ``, the online softmax, ``O += P·V`` (P from registers), release the stage; then
+    ``O / l`` through the fused epilogue."""
+    acc_t = DType.f32
+    out = att.out
     n_s, n_o = BC // 2, dv // 2  # accumulators per thread
+    k_stage, v_stage = BC * d, BC * dv
     zero, neg_inf = Const(0.0, acc_t), Const(-math.inf, acc_t)
     _strided_loop(e, c(0), n_o, 1, lambda u: e.emit(Store("oacc", u, zero)), "u", unroll=True)
     m = [e.var("m", acc_t) for _ in range(2)]  # running max and (lane-partial) sum of rows g, g + 8
@@ -228,13 +280,13 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
         e.emit(Assign(m[h], neg_inf))
         e.emit(Assign(s[h], zero))
     g, tq = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "tq")
-    wrow = e.bind(iadd(q0, iadd(imul(wg, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
+    wrow = e.bind(iadd(q0, iadd(imul(cw, WGMMA_M), imul(imod(idiv(TID_X, 32), 4), 16))), "wrow")
     rows = [e.bind(iadd(wrow, iadd(g, c(8 * h))), "row") for h in range(2)]
     rows_c = [r if divisible(n_q, br) else e.bind(imin(r, c(n_q - 1)), "rc") for r in rows]
     ragged = None if divisible(n_kv, BC) else n_kv
-    e.emit(MbarrierWait("bar", c(STAGES), c(0)))  # Q has landed
+    e.emit(MbarrierWait("bar", c(2 * STAGES), c(0)))  # Q has landed
 
-    def tile(kt_: Expr) -> None:
+    with e.scope() as body:
         st = e.bind(imod(kt_, STAGES), "st")
         j0 = e.bind(imul(kt_, BC), "j0")
         e.emit(MbarrierWait("bar", st, imod(idiv(kt_, STAGES), 2)))
@@ -243,7 +295,7 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
         kbase = e.bind(imul(st, k_stage), "kb")
         for kk in range(d // 16):  # S = Q·Kᵀ: box kk // 4 of both, 16 columns per step within it
             box, step = divmod(kk, 4)
-            a = SmemMatrix("sQ", iadd(c(box * br * BOX + 16 * step), imul(wg, WGMMA_M * BOX)), SWIZZLE, 0, ATOM)
+            a = SmemMatrix("sQ", iadd(c(box * br * BOX + 16 * step), imul(cw, WGMMA_M * BOX)), SWIZZLE, 0, ATOM)
             b = SmemMatrix("sK", iadd(kbase, c(box * BC * BOX + 16 * step)), SWIZZLE, 0, ATOM)
             e.emit(Wgmma(BC, "sacc", c(0), a, b))
         e.emit(WgmmaCommit())
@@ -282,16 +334,8 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
             e.emit(Wgmma(dv, "oacc", c(0), RegMatrix("fp", c(8 * kk)), b))
         e.emit(WgmmaCommit())
         e.emit(WgmmaWait(0, ("oacc",)))
-        e.emit(Barrier())  # every warpgroup is done with this stage: refill it with tile kt + S
-        nxt = iadd(kt_, c(STAGES))
-        cond = _and([first, _bool("lt", nxt, tiles)])
-        assert cond is not None
-        e.emit(If(cond, tuple(issue(nxt))))
-
-    if att.causal:
-        _loop(e, tiles, tile)
-    else:
-        _strided_loop(e, c(0), static_tiles, 1, tile, "kt")
+        e.emit(MbarrierArrive("bar", iadd(st, c(STAGES))))  # this warpgroup is done with the stage
+    e.emit(For(kt_, c(0), stop, 1, tuple(body)))
     inv = []
     for h in range(2):
         total = e.var("lsum", acc_t)
@@ -311,19 +355,3 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
             e.regs.pop(id(out))
 
         _guarded(e, None if divisible(n_q, br) else _bool("lt", rows[h], c(n_q)), store)
-    shared = [Buffer("sQ", dt, br * d, "shared"), Buffer("sK", dt, STAGES * k_stage, "shared"),
-              Buffer("sV", dt, STAGES * v_stage, "shared"), Buffer("bar", DType.i64, STAGES + 1, "shared")]
-    _check_shared(name, shared, target)
-    local = (Buffer("sacc", acc_t, n_s, "local"), Buffer("fp", dt, n_s, "local"), Buffer("oacc", acc_t, n_o, "local"))
-    meta = {"mapping": "flash-attention-wgmma-tma", "tile": (br, BC), "warpgroups": wgs, "stages": STAGES,
-            "mma": f"m64n{BC}k16/m64n{dv}k16.{dt.value}", "head": (d, dv)}
-    return with_grid(Kernel(name, tuple(params), (1, 1, 1), (wgs * WARPGROUP, 1, 1), tuple(e.stmts),
-                            shared=tuple(shared), local=local, meta=meta), grid)
-
-
-def _loop(e: ValueEmitter, stop: Expr, body: Callable[[Var], None]) -> None:
-    """``for kt in range(0, stop): body(kt)`` with a run-time (block-uniform) bound."""
-    v = e.var("kt")
-    with e.scope() as stmts:
-        body(v)
-    e.emit(For(v, c(0), stop, 1, tuple(stmts)))

@@ -906,32 +906,33 @@ def _hopper_attention():  # GPT-2's causal attention (Q/K/V slices of one projec
             return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     model = Attention().half().eval()
-    return sextant.compile(model, (torch.randn(2, 100, 128).half(),), target="cuda-sim", arch="sm_90a", cache=False)
+    return sextant.compile(model, (torch.randn(2, 300, 128).half(),), target="cuda-sim", arch="sm_90a", cache=False)
 
 
 def snippet_hopper_attention_kernel() -> str:
-    """The Hopper attention's kernel IR: the copies, then the key loop with the softmax elided."""
+    """The Hopper attention's kernel IR: the barriers, the producer, then the consumers' key loop
+    with the softmax elided."""
     from sextant.kernel.printer import print_kernel
 
     kern = next(k for k in _hopper_attention().stages["program"].kernels.values()
                 if k.meta["mapping"] == "flash-attention-wgmma-tma")
     lines = print_kernel(kern).splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.strip().startswith("if (tid.x == 0)"))
-    loop = next(i for i, ln in enumerate(lines) if ln.strip().startswith("for (kt"))
-    end = next(i for i in range(loop, len(lines)) if lines[i] == "  }")
-    keep = ("tma_load", "mbarrier", "wgmma", "__syncthreads", "if (", "kb", "vb")
-    prologue_end = next(i for i in range(start + 1, loop) if lines[i].startswith("  #pragma"))
-    out = [*lines[:4], "  ...", *lines[start:prologue_end], "  ...", lines[loop - 1], lines[loop]]  # Q awaited
+    consumer = next(i for i, ln in enumerate(lines) if ln.strip() == "} else {")
+    loop = next(i for i in range(consumer, len(lines)) if lines[i].strip().startswith("for (kt"))
+    end = next(i for i in range(loop, len(lines)) if lines[i] == "    }")
+    keep = ("tma_load", "mbarrier", "wgmma", "__syncthreads", "kb", "vb")
+    out = [*lines[:4], "  ...", *lines[start:consumer + 2], "    ...", lines[loop - 1], lines[loop]]
     skipped = 0
     for ln in lines[loop + 1:end]:
         if any(k in ln for k in keep):
             if skipped:
-                out.append(f"    ... ({skipped} lines)")
+                out.append(f"      ... ({skipped} lines)")
                 skipped = 0
             out.append(ln)
         else:
             skipped += 1
-    return "\n".join([*out, "  }", "  ..."])
+    return "\n".join([*out, "    }", "    ..."])
 
 
 def snippet_hopper_attention_ptxas() -> str:

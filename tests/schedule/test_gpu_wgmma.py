@@ -121,7 +121,7 @@ def test_large_tiles_are_warp_specialized_with_register_handoff(monkeypatch: pyt
     ptx = cm.stages["ptx"].ptx
     assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t232;" in ptx
     res = cm.stages["ptxas"]
-    assert "C7512" not in res.log and "serialized" not in res.log
+    assert "C7512" not in res.log and "serialized" not in res.log and "C7508" not in res.log  # setmaxnreg honoured
     (r,) = res.kernels.values()
     assert r.spill_stores == r.spill_loads == 0 and r.registers <= 168  # 384 threads launch within 65,536
 

@@ -61,6 +61,7 @@ def _mappings(cm: sextant.CompiledModule) -> list[str]:
 def _assembled_cleanly(cm: sextant.CompiledModule) -> None:
     res = cm.stages["ptxas"]
     assert "C7512" not in res.log and "serialized" not in res.log  # no wgmma serialisation
+    assert "C7508" not in res.log  # setmaxnreg not ignored: the entry register count is fixed
     assert all(r.spill_stores == r.spill_loads == 0 for r in res.kernels.values())
 
 
@@ -90,7 +91,44 @@ def test_kernel_reads_p_from_registers_and_kv_through_tma(monkeypatch: pytest.Mo
     text = print_kernel(kern)
     assert "regs(&fp[" in text and "mn-major" in text  # P·V: A in registers, V read MN-major
     assert text.count("tma_load(") == 3 and "2 (stride 4096) x 64x64" in text  # Q, K, V: a head dim outside
-    assert kern.meta["warpgroups"] == 1 and kern.meta["stages"] == 2
+    assert kern.meta["warpgroups"] == 1 and kern.meta["stages"] == 3 and kern.meta["warp_specialized"]
+    assert kern.block == (256, 1, 1) and "setmaxnreg_dec(24)" in text and "setmaxnreg_inc(240)" in text
+    assert text.count("__syncthreads()") == 1  # the producer and the consumer meet only at mbarriers
+
+
+def test_checked_build_reports_a_producer_that_would_hang() -> None:
+    """The consumers never release a K/V stage: the producer would wait forever for it."""
+    import dataclasses
+
+    from sextant.codegen import compile_kernels
+    from sextant.codegen.race_check import MbarrierHangError
+    from sextant.frontend.capture import capture
+    from sextant.graph.passes import run_pipeline
+    from sextant.kernel.ir import For, If, MbarrierArrive
+    from sextant.schedule.program import schedule
+    from sextant.schedule.target import gpu_target
+
+    q = torch.randn(1, 1, 64, 64).half()
+    kv = torch.randn(1, 1, 320, 64).half()  # 5 key tiles: the producer waits from its second on
+    program = schedule(run_pipeline(capture(Sdpa(), (q, kv, kv))), gpu_target("sm_90a"))
+    (kern,) = program.kernels.values()
+
+    def drop_release(s):  # type: ignore[no-untyped-def]
+        if isinstance(s, For):
+            return dataclasses.replace(s, body=tuple(drop_release(x) for x in s.body
+                                                     if not (isinstance(x, MbarrierArrive) and x.tx == 0)))
+        if isinstance(s, If):
+            return If(s.cond, tuple(drop_release(x) for x in s.then), tuple(drop_release(x) for x in s.orelse))
+        return s
+
+    bad = dataclasses.replace(kern, body=tuple(drop_release(s) for s in kern.body))
+    assert bad != kern
+    good = compile_kernels([kern], check_races=True)
+    out = torch.zeros(1, 1, 64, 64).half()
+    good.launch(kern.name, [q, kv, out])  # K and V are one tensor: one buffer
+    torch.testing.assert_close(out.float(), Sdpa()(q.float(), kv.float(), kv.float()), atol=2e-2, rtol=2e-2)
+    with pytest.raises(MbarrierHangError, match="mbarrier bar"):
+        compile_kernels([bad], check_races=True).launch(bad.name, [q, kv, torch.zeros(1, 1, 64, 64).half()])
 
 
 def test_additive_mask_and_scale(monkeypatch: pytest.MonkeyPatch) -> None:
