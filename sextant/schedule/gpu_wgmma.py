@@ -1,10 +1,13 @@
 """Hopper GEMM: f16/bf16 matmuls on sm_90a as warpgroup MMAs fed by TMA.
 
-The first rung of the ladder the issue describes (``wgmma`` + TMA, no warp specialisation yet):
+The first two rungs of the ladder the issue describes — ``wgmma`` + TMA, then warp
+specialisation (no persistent tile scheduler or clusters yet):
 
-* **One block per ``BM × BN`` tile of C**, ``BM/64`` warpgroups of 128 threads; warpgroup ``w``
-  owns rows ``64w …`` and keeps its ``BN/2`` f32 accumulators per thread in registers
-  (``kernel.wgmma.d_coord`` says which element each is).
+* **One block per ``BM × BN`` tile of C** (and per matrix of a batch), ``BM/64`` *consumer*
+  warpgroups of 128 threads; consumer ``w`` owns rows ``64w …`` and keeps its ``BN/2`` f32
+  accumulators per thread in registers (``kernel.wgmma.d_coord`` says which element each is).
+  With ``BM = 128`` one more warpgroup, the *producer*, only issues copies: it gives registers
+  up (``setmaxnreg`` 40) so the consumers can have 232 — enough for a 64 × 256 accumulator tile.
 * **A ring of ``S`` shared-memory stages**, each holding a ``BM × 64`` tile of A and a ``BN × 64``
   tile of B, written by TMA with the 128-byte swizzle — one 128-byte row per tile row, 8-row atoms
   of 1024 bytes — and read by wgmma through descriptors of the same swizzle (``SBO`` = 1024, the K
@@ -12,29 +15,30 @@ The first rung of the ladder the issue describes (``wgmma`` + TMA, no warp speci
   ``Wᵀ`` of a stored ``N × K`` weight (K-major, as wgmma reads it); a B stored ``K × N`` (``x @ W``)
   is copied as ``BN/64`` boxes of 64 K-rows × 64 columns and read MN-major (the transpose bit;
   ``LBO`` = one box, the K steps 16 rows apart). Elements past the matrix edges arrive as zeros
-  (TMA's bounds), so ragged M, N and K need no guard in the main loop.
-* **One mbarrier per stage**: thread 0 arrives on it announcing the stage's bytes and issues the
-  two TMA copies; every thread waits for the phase of parity ``(kt / S) & 1`` before its wgmmas.
-* **The K loop**: wait for stage ``kt``; fence; ``BK/16`` wgmmas; commit; wait until at most one
-  group is in flight (iteration ``kt-1``'s products are done, so its stage is free); a block
-  barrier (every warpgroup is done with it); thread 0 refills that stage with tile ``kt+S-1``. The
-  copies of ``S-1`` tiles are in flight while the tensor cores work on the current one.
+  (TMA's bounds), so ragged M, N and K need no guard in the main loop; a batch's matrices are the
+  tensor maps' outer dimensions (``schedule.tma``).
+* **Specialised** (:func:`_specialized`): a *full* and an *empty* mbarrier per stage; the
+  producer waits for a stage's release and refills it, the consumers wait for its bytes,
+  multiply, and release the stage one behind — no block barrier in the loop.
+* **Not specialised** (one warpgroup of 64 rows, :func:`_mainloop`): one mbarrier per stage;
+  thread 0 also issues the copies, and a block barrier after each K step says the stage one back
+  is free.
 * **The epilogue** (bias, activation, residual, cast) runs per accumulator at the row and column
   the D layout gives it, guarded at the edges.
 
-Used when the target is ``sm_90a`` and both operands are plain row-major views TMA can describe
-(A ``M × K``; B ``K × N`` or ``Wᵀ`` of an ``N × K`` W; 16-byte aligned row strides, offset 0,
-static sizes); anything
-else keeps the ``mma.sync`` GEMM (``gpu_mma``), which sm_90a runs as well.
+Used when the target is ``sm_90a`` and both operands are views TMA can describe (A ``M × K``;
+B ``K × N`` or ``Wᵀ`` of an ``N × K`` W; the inner dim contiguous, 16-byte-aligned strides,
+static sizes, batch dims as outer dims); anything else keeps the ``mma.sync`` GEMM
+(``gpu_mma``), which sm_90a runs as well.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Node
 from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.ir import (
     Barrier,
@@ -53,7 +57,6 @@ from sextant.kernel.ir import (
     SetMaxNReg,
     SmemMatrix,
     Store,
-    TmaLoad,
     Var,
     Wgmma,
     WgmmaCommit,
@@ -62,16 +65,16 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.sizes import with_grid
 from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
+from sextant.schedule.attention_match import at
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import TC_DTYPES, half_product
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
-from sextant.schedule.views import strided_view
+from sextant.schedule.tma import SWIZZLE, TmaOperand, tma_operand
 
 BK = 64  # one 128-byte swizzled row of f16/bf16
-SWIZZLE = 128
 ATOM = 1024  # bytes: 8 rows of 128
 
 
@@ -110,47 +113,28 @@ def is_sm90a(target: TargetDesc) -> bool:
     return target.is_gpu and sm_version(target) == 90 and target.name.endswith("a")
 
 
-@dataclass(frozen=True)
-class TmaSource:
-    """A GEMM operand as a TMA tensor map sees it: ``rows × cols`` of buffer ``name``, rows ``stride``
-    elements apart; ``k_major``: K along the columns (else along the rows: B stored K×N)."""
-
-    name: str
-    rows: int
-    cols: int
-    stride: int
-    k_major: bool = True
-
-
-def _tma_source(x: Node, buffers: dict[int, str], mn_axis: int, k_axis: int, mn_major_ok: bool) -> TmaSource | None:
-    """``x`` (2-D) as a TMA source: a view of a buffer at offset 0 with one contiguous axis — K, or
-    (``mn_major_ok``) M/N — and a 16-byte-aligned stride along the other."""
-    if len(x.shape) != 2 or is_symbolic(x.shape):
-        return None
-    view = strided_view(x, buffers)
-    if view is None or view.offset != 0:
-        return None
-    for inner, outer, k_major in ((k_axis, mn_axis, True), (mn_axis, k_axis, False)):
-        stride = view.strides[outer]
-        if (view.strides[inner] == 1 and (k_major or mn_major_ok) and stride >= x.shape[inner]
-                and (stride * x.dtype.itemsize) % 16 == 0):
-            return TmaSource(buffers[id(view.buffer)], int(x.shape[outer]), int(x.shape[inner]), stride, k_major)
-    return None
-
-
-def wgmma_sources(group: Group, buffers: dict[int, str]) -> tuple[TmaSource, TmaSource] | None:
-    """A (K-major) and B (either) as TMA sources, or None."""
+def wgmma_sources(group: Group, buffers: dict[int, str]) -> tuple[TmaOperand, TmaOperand, bool] | None:
+    """A (K-major) and B as TMA sources, and whether B is K-major (``Wᵀ`` of a stored ``N × K``
+    weight; else stored ``K × N``, read MN-major) — or None. Batched operands carry their batch
+    dims as outer dims of the tensor map; one with none (a weight shared by the batch) is fine."""
     mm = group.anchor
     a, b = mm.inputs
-    sa, sb = _tma_source(a, buffers, 0, 1, False), _tma_source(b, buffers, 1, 0, True)  # b is K×N
-    return (sa, sb) if sa is not None and sb is not None else None
+    dt = a.dtype
+    batch = math.prod(int(d) for d in mm.shape[:-2])
+    sa = tma_operand(a, buffers, dt, -2, -1)
+    sb, k_major = tma_operand(b, buffers, dt, -1, -2), True
+    if sb is None:
+        sb, k_major = tma_operand(b, buffers, dt, -2, -1), False
+    if sa is None or sb is None or any(op.lead and math.prod(op.lead) != batch for op in (sa, sb)):
+        return None
+    return sa, sb, k_major
 
 
 def uses_wgmma(group: Group, target: TargetDesc) -> bool:
     """The group's matmul runs on the Hopper GEMM below (its operands checked when it is built)."""
     mm = group.anchor
     return (is_sm90a(target) and half_product(mm, target) and mm.inputs[0].dtype in TC_DTYPES
-            and len(mm.shape) == 2 and not is_symbolic(mm.shape) and not is_symbolic(mm.inputs[0].shape))
+            and not is_symbolic(mm.shape) and not any(is_symbolic(x.shape) for x in mm.inputs))
 
 
 def choose_wg_tile(m: int, n: int) -> WgTile:
@@ -163,20 +147,21 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     """The matmul group as a wgmma + TMA GEMM, or None when its operands are not TMA-describable."""
     mm = group.anchor
     a, b = mm.inputs
-    m, k = (int(d) for d in a.shape)
+    m, k = (int(d) for d in a.shape[-2:])
     n = int(b.shape[-1])
+    batch = math.prod(int(d) for d in mm.shape[:-2])
     dt = a.dtype
     e, params, _ = setup_kernel(group, stored)
     sources = wgmma_sources(group, e.buffers)
     if sources is None:
         return None
-    src_a, src_b = sources
+    src_a, src_b, b_k_major = sources
     tile = choose_wg_tile(m, n)
     S, bm_, bn_ = tile.stages, tile.bm, tile.bn
     size = dt.itemsize
     a_stage, b_stage = bm_ * BK, bn_ * BK  # elements per stage
     tx = (bm_ + bn_) * BK * size
-    grid, (bn, bm, _) = _grid(e, (-(-n // bn_), -(-m // bm_), 1))
+    grid, (bn, bm, bz) = _grid(e, (-(-n // bn_), -(-m // bm_), batch))
     i0, j0 = e.bind(imul(bm, bm_), "i0"), e.bind(imul(bn, bn_), "j0")
     k_tiles = -(-k // BK)
     t = TID_X
@@ -189,16 +174,12 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
         K×N: ``BN / 64`` boxes of 64 K-rows × 64 columns, one after the other)."""
         st = imod(kt, S)
         k0 = imul(kt, BK)
-        loads = [MbarrierArrive("bar", st, tx),
-                 TmaLoad("sA", imul(st, a_stage), src_a.name, i0, k0, (bm_, BK), (src_a.rows, src_a.cols),
-                         src_a.stride, SWIZZLE, "bar", st)]
-        if src_b.k_major:
-            loads.append(TmaLoad("sB", imul(st, b_stage), src_b.name, j0, k0, (bn_, BK), (src_b.rows, src_b.cols),
-                                 src_b.stride, SWIZZLE, "bar", st))
+        loads = [MbarrierArrive("bar", st, tx), src_a.box("sA", imul(st, a_stage), bz, i0, k0, bm_, "bar", st)]
+        if b_k_major:
+            loads.append(src_b.box("sB", imul(st, b_stage), bz, j0, k0, bn_, "bar", st))
         else:
-            loads += [TmaLoad("sB", iadd(imul(st, b_stage), c(j * BK * row_elems)), src_b.name, k0,
-                              iadd(j0, c(j * row_elems)), (BK, row_elems), (src_b.rows, src_b.cols), src_b.stride,
-                              SWIZZLE, "bar", st) for j in range(bn_ // row_elems)]
+            loads += [src_b.box("sB", iadd(imul(st, b_stage), c(j * BK * row_elems)), bz, k0,
+                                iadd(j0, c(j * row_elems)), BK, "bar", st) for j in range(bn_ // row_elems)]
         return loads
 
     def mmas(st: Expr, cw: Expr) -> None:
@@ -206,7 +187,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
         a_base = e.bind(iadd(imul(st, a_stage), imul(cw, WGMMA_M * BK)), "sa")
         b_base = e.bind(imul(st, b_stage), "sb")
         for kk in range(BK // 16):
-            if src_b.k_major:
+            if b_k_major:
                 b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk)), SWIZZLE, 0, ATOM)
             else:  # 16 K-rows of 128 bytes per step; the next 64 columns of N one box (BK rows) on
                 b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk * row_elems)), SWIZZLE, BK * SWIZZLE, ATOM, "mn")
@@ -214,7 +195,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
 
     def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
         e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
-        store_epilogue(e, group, (row, col))
+        store_epilogue(e, group, at(mm, bz, row, col))
         e.regs.pop(id(mm))
 
     def stores(cw: Expr) -> None:

@@ -42,10 +42,8 @@ else keeps the ``mma.sync`` flash kernel, which sm_90a runs as well.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Node
 from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.ir import (
     Assign,
@@ -67,7 +65,6 @@ from sextant.kernel.ir import (
     SetMaxNReg,
     SmemMatrix,
     Store,
-    TmaLoad,
     Unary,
     Var,
     WarpReduce,
@@ -81,77 +78,18 @@ from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
 from sextant.schedule.attention_match import Attention, at
 from sextant.schedule.gpu_flash_attention import half_dtype, logit
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
-from sextant.schedule.gpu_wgmma import ATOM, SWIZZLE, is_sm90a
-from sextant.schedule.indexing import ValueEmitter, c, delinearize, divisible, iadd, idiv, imin, imod, imul
+from sextant.schedule.gpu_wgmma import ATOM, is_sm90a
+from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
-from sextant.schedule.views import strided_view
+from sextant.schedule.tma import BOX, SWIZZLE, TmaOperand, tma_operand
 
 BC = 64  # keys per K/V tile
 STAGES = 3
 LEAD = STAGES - 1  # tiles the producer copies ahead: tile kt + LEAD once the consumers released tile kt - 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # FlashAttention-3's split: 128·24 + 256·240 ≤ 65,536
 HEADS = (64, 128)  # head sizes: whole 128-byte swizzled rows of f16/bf16, accumulators in registers
-BOX = SWIZZLE // 2  # columns of one box (one swizzled row of 16-bit elements)
-MAX_OUTER = 3  # a tensor map has at most 5 dimensions
-
-
-@dataclass(frozen=True)
-class TmaOperand:
-    """Q, K or V as a TMA source: ``rows × cols`` matrices (the head dim along ``cols``) of
-    buffer ``name``, rows ``stride`` apart, one per value of the ``outer`` dims — each
-    ``(size, stride, batch_dim, shift)``: ``batch_dim`` the attention batch dim its coordinate
-    comes from, ``shift`` added to it (the view's offset, in whole steps of that dim)."""
-
-    name: str
-    rows: int
-    cols: int
-    stride: int
-    outer: tuple[tuple[int, int, int, int], ...]
-    lead: tuple[int, ...]  # the batch dims the outer dims' coordinates come from
-
-    def load(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, rows: int, bar: str,
-             bar_index: Expr) -> list[TmaLoad]:
-        """The copies of a ``rows × cols`` tile from ``row`` of matrix ``bz`` into ``dst``: one box of
-        64 columns after the other, ``rows·64`` elements apart."""
-        idx = delinearize(bz, self.lead) if self.lead else ()
-        outer = tuple(iadd(idx[d], c(shift)) if shift else idx[d] for _, _, d, shift in self.outer)
-        dims = tuple((n, k) for n, k, _, _ in self.outer)
-        return [TmaLoad(dst, iadd(dst_off, c(j * rows * BOX)), self.name, row, c(j * BOX), (rows, BOX),
-                        (self.rows, self.cols), self.stride, SWIZZLE, bar, bar_index, outer, dims)
-                for j in range(self.cols // BOX)]
-
-
-def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_axis: int) -> TmaOperand | None:
-    """``x`` (``[*batch, a, b]``) as a :class:`TmaOperand` whose matrix rows run along ``row_axis``
-    and contiguous columns along ``col_axis`` (-1 or -2), or None. A reshape that merges batch
-    dims no single stride describes (``[b, h, …]`` of a projection, permuted, flattened for a
-    ``bmm``) is looked through: its batch index is delinearised over the dims below it instead."""
-    if is_symbolic(x.shape):
-        return None
-    view = strided_view(x, buffers, exact_from=dt)
-    while view is None and x.op in ("reshape", "cast") and x.inputs[0].shape[-2:] == x.shape[-2:] and (
-            x.op == "reshape" or x.inputs[0].dtype == dt):
-        x = x.inputs[0]
-        view = strided_view(x, buffers, exact_from=dt)
-    if view is None or view.strides[col_axis] != 1:
-        return None
-    size = dt.itemsize
-    rows, cols, stride = int(x.shape[row_axis]), int(x.shape[col_axis]), view.strides[row_axis]
-    if stride < cols or (stride * size) % 16:
-        return None
-    dims = [(int(n), k, i) for i, (n, k) in enumerate(zip(x.shape[:-2], view.strides[:-2])) if n != 1 and k != 0]
-    # the view's offset as whole steps of its outer dims (largest stride first): the tensor map
-    # starts at the buffer, its outer coordinates shifted; the rows and columns must start at 0
-    # so TMA's bounds stay those of the matrix
-    rest, shifts = view.offset, {}
-    for _n, k, i in sorted(dims, key=lambda d: -d[1]):
-        shifts[i], rest = rest // k, rest % k
-    if rest or len(dims) > MAX_OUTER or any((k * size) % 16 for _, k, _ in dims):
-        return None
-    return TmaOperand(buffers[id(view.buffer)], rows, cols, stride,
-                      tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims), tuple(int(n) for n in x.shape[:-2]))
 
 
 def wgmma_attention_refusal(att: Attention, target: TargetDesc) -> str | None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sextant
+from sextant.kernel.wgmma import kernel_tensor_maps
 
 
 class Linear(torch.nn.Module):
@@ -66,15 +67,36 @@ def test_matmul_with_kn_weight_reads_b_mn_major(monkeypatch: pytest.MonkeyPatch)
     torch.testing.assert_close(cm(x, r).float(), mod.float()(x.float(), r.float()), atol=2e-2, rtol=2e-2)
 
 
-def test_operands_tma_cannot_describe_keep_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("a_shape,b_shape,transposed,outer", [
+    ((3, 100, 128), (3, 128, 192), False, {1}),  # B stored K×N per matrix: MN-major, 3-D tensor maps
+    ((2, 2, 130, 64), (2, 2, 72, 64), True, {1}),  # Bᵀ: K-major; the graph merged the two batch dims
+    ((4, 70, 64), (64, 128), False, {0}),  # a weight shared by the batch: the graph made it one product
+])
+def test_batched_matmuls_run_on_wgmma(a_shape: tuple, b_shape: tuple, transposed: bool, outer: set,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     class Bmm(torch.nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return a @ b
+            return a @ (b.transpose(-1, -2) if transposed else b)
 
-    a, b = torch.randn(2, 64, 64).half(), torch.randn(2, 64, 64).half()  # batched: a 3-D tensor map, not yet
+    torch.manual_seed(5)
+    a, b = torch.randn(a_shape).half(), torch.randn(b_shape).half()
     cm = _compile(Bmm(), (a, b), monkeypatch)
+    kernels = list(cm.stages["program"].kernels.values())
+    assert [k.meta["mapping"] for k in kernels] == ["wgmma-tma"]
+    assert {len(tm.outer_dims) for tm in kernel_tensor_maps(kernels[0].body)} == outer
+    a2, b2 = torch.randn(a_shape).half(), torch.randn(b_shape).half()
+    torch.testing.assert_close(cm(a2, b2).float(), Bmm()(a2.float(), b2.float()), atol=3e-2, rtol=2e-2)
+
+
+def test_operands_tma_cannot_describe_keep_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Sliced(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a[:, 8:72] @ b  # A starts 8 columns into its rows: no tensor map starts there
+
+    a, b = torch.randn(64, 80).half(), torch.randn(64, 64).half()
+    cm = _compile(Sliced(), (a, b), monkeypatch)
     assert {kn.meta["mapping"] for kn in cm.stages["program"].kernels.values()} == {"tensor-core"}
-    torch.testing.assert_close(cm(a, b).float(), (a.float() @ b.float()), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cm(a, b).float(), Sliced()(a.float(), b.float()), atol=2e-2, rtol=2e-2)
 
 
 def test_unaligned_row_stride_keeps_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:

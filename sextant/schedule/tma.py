@@ -1,0 +1,90 @@
+"""GEMM and attention operands as TMA tensor maps see them (the Hopper schedules' shared piece).
+
+An operand ``x`` (``[*batch, a, b]``, a strided view of a kernel buffer) is a batch of matrices:
+rows along one of its last two axes, contiguous columns along the other, and its batch dims as
+the tensor map's *outer* dimensions (``kernel.ir.TmaLoad``'s ``outer``), so a box never reads a
+neighbouring matrix and rows or columns past the edge arrive as zeros. Dims of size 1 or
+stride 0 (a broadcast operand) are left out of the map; the view's offset becomes a shift of the
+outer coordinates (GPT-2's K and V: column slices of one projection, ``h·d`` elements in), which
+keeps the map at the buffer's own start address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
+from sextant.graph.symbolic import is_symbolic
+from sextant.kernel.ir import Expr, TmaLoad
+from sextant.schedule.indexing import c, delinearize, iadd
+from sextant.schedule.views import strided_view
+
+SWIZZLE = 128  # bytes: one swizzled row
+BOX = SWIZZLE // 2  # columns of one box of 16-bit elements
+MAX_OUTER = 3  # a tensor map has at most 5 dimensions
+
+
+@dataclass(frozen=True)
+class TmaOperand:
+    """An operand as a TMA source: ``rows × cols`` matrices of buffer ``name``, rows ``stride``
+    apart, one per value of the ``outer`` dims — each ``(size, stride, batch_dim, shift)``:
+    ``batch_dim`` the batch dim its coordinate comes from, ``shift`` added to it (the view's
+    offset, in whole steps of that dim)."""
+
+    name: str
+    rows: int
+    cols: int
+    stride: int
+    outer: tuple[tuple[int, int, int, int], ...]
+    lead: tuple[int, ...]  # the batch dims the outer dims' coordinates come from
+
+    def box(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, col: Expr, rows: int, bar: str,
+            bar_index: Expr) -> TmaLoad:
+        """The copy of the ``rows × 64`` box at ``(row, col)`` of matrix ``bz`` (a linear index over
+        ``lead``) into ``dst``, swizzled, completing on ``bar[bar_index]``."""
+        idx = delinearize(bz, self.lead) if self.lead else ()
+        outer = tuple(iadd(idx[d], c(shift)) if shift else idx[d] for _, _, d, shift in self.outer)
+        dims = tuple((n, k) for n, k, _, _ in self.outer)
+        return TmaLoad(dst, dst_off, self.name, row, col, (rows, BOX), (self.rows, self.cols), self.stride, SWIZZLE,
+                       bar, bar_index, outer, dims)
+
+    def load(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, rows: int, bar: str,
+             bar_index: Expr) -> list[TmaLoad]:
+        """The copies of a ``rows × cols`` tile from ``row`` of matrix ``bz`` into ``dst``: one box of
+        64 columns after the other, ``rows·64`` elements apart."""
+        return [self.box(dst, iadd(dst_off, c(j * rows * BOX)), bz, row, c(j * BOX), rows, bar, bar_index)
+                for j in range(self.cols // BOX)]
+
+
+def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_axis: int) -> TmaOperand | None:
+    """``x`` (``[*batch, a, b]``) as a :class:`TmaOperand` whose matrix rows run along ``row_axis``
+    and contiguous columns along ``col_axis`` (-1 or -2), or None. A reshape that merges batch
+    dims no single stride describes (``[b, h, …]`` of a projection, permuted, flattened for a
+    ``bmm``) is looked through: its batch index is delinearised over the dims below it instead."""
+    if is_symbolic(x.shape):
+        return None
+    view = strided_view(x, buffers, exact_from=dt)
+    while view is None and x.op in ("reshape", "cast") and x.inputs[0].shape[-2:] == x.shape[-2:] and (
+            x.op == "reshape" or x.inputs[0].dtype == dt):
+        x = x.inputs[0]
+        view = strided_view(x, buffers, exact_from=dt)
+    if view is None or view.strides[col_axis] != 1:
+        return None
+    size = dt.itemsize
+    rows, cols, stride = int(x.shape[row_axis]), int(x.shape[col_axis]), view.strides[row_axis]
+    if stride < cols or (stride * size) % 16:
+        return None
+    dims = [(int(n), k, i) for i, (n, k) in enumerate(zip(x.shape[:-2], view.strides[:-2])) if n != 1 and k != 0]
+    # the view's offset as whole steps of its outer dims (largest stride first): the tensor map
+    # starts at the buffer, its outer coordinates shifted; the rows and columns must start at 0
+    # so TMA's bounds stay those of the matrix
+    rest, shifts = view.offset, {}
+    for _n, k, i in sorted(dims, key=lambda d: -d[1]):
+        shifts[i], rest = rest // k, rest % k
+    if rest or len(dims) > MAX_OUTER or any((k * size) % 16 for _, k, _ in dims):
+        return None
+    return TmaOperand(buffers[id(view.buffer)], rows, cols, stride,
+                      tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims), tuple(int(n) for n in x.shape[:-2]))
+
+
