@@ -102,10 +102,12 @@ class WgTile:
                 "warp_specialized": self.producer}
 
 
-# Warp-specialised 128 × 256 (or × 128 when N is small) with 4 stages (192 / 128 KiB): CUTLASS's
-# "cooperative" Hopper GEMM — a producer warpgroup and two consumers of 64 rows each; one
-# warpgroup of 64 rows, not specialised, for problems whose M is small.
-CANDIDATES = (WgTile(128, 256, 4, True), WgTile(128, 128, 4, True), WgTile(64, 128, 4))
+# Warp-specialised 128 × 256 (× 128 or × 64 when N is small: no tile column wasted on a narrow
+# product) with 4 stages (192 / 128 / 96 KiB): CUTLASS's "cooperative" Hopper GEMM — a producer
+# warpgroup and two consumers of 64 rows each; one warpgroup of 64 rows, not specialised, for
+# problems whose M is small.
+CANDIDATES = (WgTile(128, 256, 4, True), WgTile(128, 128, 4, True), WgTile(128, 64, 4, True),
+              WgTile(64, 128, 4), WgTile(64, 64, 4))
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128·40 + 256·232 ≤ the SM's 65,536 registers
 
 
@@ -138,9 +140,10 @@ def uses_wgmma(group: Group, target: TargetDesc) -> bool:
 
 
 def choose_wg_tile(m: int, n: int) -> WgTile:
-    if m <= WGMMA_M:
-        return CANDIDATES[2]
-    return CANDIDATES[0] if n > 128 else CANDIDATES[1]
+    """The narrowest candidate whose N covers the product (or the widest), at the product's M."""
+    rows = [t for t in CANDIDATES if (t.bm == WGMMA_M) == (m <= WGMMA_M)]
+    fits = [t for t in rows if t.bn >= n]
+    return min(fits, key=lambda t: t.bn) if fits else max(rows, key=lambda t: t.bn)
 
 
 def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:

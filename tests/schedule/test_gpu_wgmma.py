@@ -177,3 +177,21 @@ def test_checked_build_reports_a_producer_that_would_hang(mistake: str) -> None:
     with pytest.raises(MbarrierHangError, match="mbarrier bar"):
         compile_kernels([bad], check_races=True).launch(bad.name, [x, w, torch.zeros(256).half(),
                                                                    torch.zeros(256, 256).half()])
+
+
+@pytest.mark.parametrize("m,n,tile", [(200, 48, (128, 64, 64)), (200, 72, (128, 128, 64)), (300, 520, (128, 256, 64)),
+                                      (40, 48, (64, 64, 64)), (40, 200, (64, 128, 64))])
+def test_tile_is_the_narrowest_that_covers_n(m: int, n: int, tile: tuple) -> None:
+    from sextant.schedule.gpu_wgmma import choose_wg_tile
+
+    assert choose_wg_tile(m, n).meta()["tile"] == tile
+
+
+def test_narrow_product_on_a_64_wide_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(6)
+    mod = Linear(136, 48).half()
+    x = torch.randn(200, 136).half()
+    cm = _compile(mod, (x,), monkeypatch)
+    (kern,) = cm.stages["program"].kernels.values()
+    assert kern.meta["tile"] == (128, 64, 64) and kern.meta["warp_specialized"]
+    torch.testing.assert_close(cm(x).float(), mod.float()(x.float()), atol=2e-2, rtol=2e-2)
