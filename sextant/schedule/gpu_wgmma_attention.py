@@ -161,7 +161,10 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
                       MbarrierInit("bar", qbar, 1))))
     e.emit(Barrier())
     kt_ = e.var("kt")
-    loop_stop = tiles if att.causal else c(static_tiles)
+    # both roles loop over all tiles but the last: the consumers' iteration kt overlaps tile kt's
+    # softmax with tile kt+1's Q·Kᵀ, and the last tile follows the loop (the producer has copied
+    # everything by then)
+    loop_stop = Binary("sub", tiles, c(1), DType.i32) if att.causal else c(static_tiles - 1)
 
     # -- the producer: Q and the first LEAD tiles, then tile kt + LEAD once tile kt - 1 is released
     with e.scope() as produce:
@@ -191,7 +194,8 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
               Buffer("sV", dt, STAGES * v_stage, "shared"), Buffer("bar", DType.i64, 2 * STAGES + 1, "shared")]
     _check_shared(name, shared, target)
     n_s, n_o = BC // 2, dv // 2
-    local = (Buffer("sacc", acc_t, n_s, "local"), Buffer("fp", dt, n_s, "local"), Buffer("oacc", acc_t, n_o, "local"))
+    local = (Buffer("sacc", acc_t, n_s, "local"), Buffer("snext", acc_t, n_s, "local"), Buffer("fp", dt, n_s, "local"),
+             Buffer("oacc", acc_t, n_o, "local"))
     meta = {"mapping": "flash-attention-wgmma-tma", "tile": (br, BC), "warpgroups": wgs, "stages": STAGES,
             "mma": f"m64n{BC}k16/m64n{dv}k16.{dt.value}", "head": (d, dv), "warp_specialized": True,
             "registers": {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS},
@@ -203,9 +207,12 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
 
 def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, bz: Expr, q0: Expr, br: int,
               n_q: int, n_kv: int, d: int, dv: int, kt_: Var, stop: Expr, group: Group) -> None:
-    """Consumer warpgroup ``cw``: rows ``q0 + 64·cw …``; per key tile wait for its full barrier,
-    ``S = Q·Kᵀ``, the online softmax, ``O += P·V`` (P from registers), release the stage; then
-    ``O / l`` through the fused epilogue."""
+    """Consumer warpgroup ``cw``: rows ``q0 + 64·cw …``. ``S`` of tile 0 first; then per tile ``kt``
+    (but the last): issue tile ``kt+1``'s ``Q·Kᵀ`` into ``snext``, wait for tile ``kt``'s only
+    (``wgmma_wait(1)``), its online softmax while the tensor cores compute the next scores
+    (FlashAttention-3's intra-warpgroup overlap), ``O += P·V`` with P from registers, wait for
+    everything, release the stage, ``snext`` becomes ``sacc``. The last tile without a next one;
+    then ``O / l`` through the fused epilogue."""
     acc_t = DType.f32
     out = att.out
     n_s, n_o = BC // 2, dv // 2  # accumulators per thread
@@ -222,22 +229,25 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
     rows = [e.bind(iadd(wrow, iadd(g, c(8 * h))), "row") for h in range(2)]
     rows_c = [r if divisible(n_q, br) else e.bind(imin(r, c(n_q - 1)), "rc") for r in rows]
     ragged = None if divisible(n_kv, BC) else n_kv
-    e.emit(MbarrierWait("bar", c(2 * STAGES), c(0)))  # Q has landed
 
-    with e.scope() as body:
-        st = e.bind(imod(kt_, STAGES), "st")
-        j0 = e.bind(imul(kt_, BC), "j0")
-        e.emit(MbarrierWait("bar", st, imod(idiv(kt_, STAGES), 2)))
-        _strided_loop(e, c(0), n_s, 1, lambda u: e.emit(Store("sacc", u, zero)), "u", unroll=True)
+    def scores(kt: Expr, acc: str) -> None:
+        """Wait for tile ``kt``'s copies and issue its ``Q·Kᵀ`` into ``acc`` (one commit group)."""
+        st = e.bind(imod(kt, STAGES), "sk")
+        e.emit(MbarrierWait("bar", st, imod(idiv(kt, STAGES), 2)))
+        _strided_loop(e, c(0), n_s, 1, lambda u: e.emit(Store(acc, u, zero)), "u", unroll=True)
         e.emit(WgmmaFence())
         kbase = e.bind(imul(st, k_stage), "kb")
-        for kk in range(d // 16):  # S = Q·Kᵀ: box kk // 4 of both, 16 columns per step within it
+        for kk in range(d // 16):  # box kk // 4 of Q and K, 16 columns per step within it
             box, step = divmod(kk, 4)
             a = SmemMatrix("sQ", iadd(c(box * br * BOX + 16 * step), imul(cw, WGMMA_M * BOX)), SWIZZLE, 0, ATOM)
             b = SmemMatrix("sK", iadd(kbase, c(box * BC * BOX + 16 * step)), SWIZZLE, 0, ATOM)
-            e.emit(Wgmma(BC, "sacc", c(0), a, b))
+            e.emit(Wgmma(BC, acc, c(0), a, b))
         e.emit(WgmmaCommit())
-        e.emit(WgmmaWait(0, ("sacc",)))
+
+    def softmax_pv(kt: Expr) -> None:
+        """Tile ``kt``'s scores (in ``sacc``, complete) through the online softmax into P, then
+        ``O += P·V`` issued and committed."""
+        j0 = e.bind(imul(kt, BC), "j0")
         tmax = [e.var("tmax", acc_t) for _ in range(2)]
         for h in range(2):
             e.emit(Assign(tmax[h], neg_inf))
@@ -266,14 +276,30 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
             e.emit(Assign(s[h], Binary("add", s[h], p_val, acc_t)))
             e.emit(Store("fp", c(i), Cast(p_val, dt)))
         e.emit(WgmmaFence())  # the accumulators and P were written by ordinary instructions
-        vbase = e.bind(imul(st, v_stage), "vb")
+        vbase = e.bind(imul(imod(kt, STAGES), v_stage), "vb")
         for kk in range(BC // 16):  # O += P·V: 16 keys (rows of V) per step, 128 bytes each
             b = SmemMatrix("sV", iadd(vbase, c(16 * kk * BOX)), SWIZZLE, BC * SWIZZLE, ATOM, "mn")
             e.emit(Wgmma(dv, "oacc", c(0), RegMatrix("fp", c(8 * kk)), b))
         e.emit(WgmmaCommit())
-        e.emit(WgmmaWait(0, ("oacc",)))
-        e.emit(MbarrierArrive("bar", iadd(st, c(STAGES))))  # this warpgroup is done with the stage
+
+    def release(kt: Expr) -> None:
+        e.emit(MbarrierArrive("bar", iadd(imod(kt, STAGES), c(STAGES))))  # this warpgroup is done with the stage
+
+    e.emit(MbarrierWait("bar", c(2 * STAGES), c(0)))  # Q has landed
+    scores(c(0), "sacc")
+    with e.scope() as body:
+        scores(iadd(kt_, c(1)), "snext")
+        e.emit(WgmmaWait(1, ("sacc",)))  # tile kt's scores are done; the next tile's are in flight
+        softmax_pv(kt_)
+        e.emit(WgmmaWait(0, ("snext", "oacc")))
+        release(kt_)
+        _strided_loop(e, c(0), n_s, 1, lambda u: e.emit(Store("sacc", u, Load("snext", u, acc_t))), "u",
+                      unroll=True)
     e.emit(For(kt_, c(0), stop, 1, tuple(body)))
+    last = e.bind(iadd(stop, c(0)), "last") if not isinstance(stop, Const) else stop
+    e.emit(WgmmaWait(0, ("sacc",)))
+    softmax_pv(last)
+    e.emit(WgmmaWait(0, ("oacc",)))
     inv = []
     for h in range(2):
         total = e.var("lsum", acc_t)
