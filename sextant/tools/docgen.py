@@ -932,6 +932,8 @@ def snippet_hopper_attention_kernel() -> str:
             out.append(ln)
         else:
             skipped += 1
+    if skipped:
+        out.append(f"      ... ({skipped} lines: the next scores become the current ones)")
     return "\n".join([*out, "    }", "    ..."])
 
 
