@@ -1,12 +1,12 @@
 """Hopper flash attention: ``softmax(f(Q·Kᵀ))·V`` with warpgroup MMAs fed by TMA (sm_90a).
 
-The FlashAttention-3 recipe up to its warp specialisation (the ping-pong between consumers and
-the softmax overlapped with the next product are not here yet):
+The FlashAttention-3 recipe — warp specialisation and the softmax overlapped with the next
+tile's scores; not yet its ping-pong between the two consumers:
 
 * **One block per ``BR = 64·W`` query rows** of one batch/head: a *producer* warpgroup that
   only issues copies (``setmaxnreg`` down to 24 registers) and ``W`` *consumer* warpgroups (2,
   or 1 for short sequences; up to 240 registers); consumer ``w`` owns rows ``64w …`` and keeps
-  everything of them in registers: the ``BC/2`` score accumulators, the ``Dv/2`` output
+  everything of them in registers: two buffers of ``BC/2`` score accumulators, the ``Dv/2`` output
   accumulators, the running row max and sum (a thread holds two rows, as in the D layout).
 * **Q once, K and V streamed by TMA.** Q's tile is copied once (its own mbarrier); K and V tiles
   of ``BC = 64`` keys go through a ring of ``S = 3`` stages, each with a *full* mbarrier (the
@@ -17,7 +17,8 @@ the softmax overlapped with the next product are not here yet):
   ``P·V`` with its keys as K and its head dim as N — stored ``keys × Dv``, so MN-major (the
   transpose bit, ``LBO`` one box). The batch and head dims are the tensor maps' outer
   dimensions, so a tile never reads a neighbouring head: rows past the sequence arrive as zeros.
-* **``S = Q·Kᵀ``**: ``D/16`` wgmmas of ``64 × BC``, committed and awaited.
+* **``S = Q·Kᵀ``**: ``D/16`` wgmmas of ``64 × BC``; tile ``t + 1``'s are issued before tile
+  ``t``'s softmax and awaited after its ``P·V`` (``wgmma_wait(1)`` waits for tile ``t``'s only).
 * **The online softmax in registers** — the fused logit ops (scale, masks) per accumulator at
   its ``(row, key)``, the row max over the quad that holds a row (a width-4 butterfly), the
   rescaling of the running sum and of ``O`` by ``exp(m_old − m_new)`` — exactly as the
