@@ -35,7 +35,8 @@ tile's scores; not yet its ping-pong between the two consumers:
 * **Epilogue**: ``O / l``, cast, the group's fused epilogue, stored at the D layout's positions.
 
 Used on ``sm_90a`` for static f16/bf16 attention whose Q, K and V are strided views TMA can
-describe (the head dim contiguous and 64 or 128 wide, 16-byte-aligned strides, an offset that
+describe (the head dim contiguous and 16, 32, 64 or 128 wide — rows of one 32/64/128-byte swizzle
+span, or two —, 16-byte-aligned strides, an offset that
 is a whole number of outer steps — the Q/K/V slices of one fused projection are); anything
 else keeps the ``mma.sync`` flash kernel, which sm_90a runs as well.
 """
@@ -79,18 +80,24 @@ from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
 from sextant.schedule.attention_match import Attention, at
 from sextant.schedule.gpu_flash_attention import half_dtype, logit
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
-from sextant.schedule.gpu_wgmma import ATOM, is_sm90a
+from sextant.schedule.gpu_wgmma import is_sm90a
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
-from sextant.schedule.tma import BOX, SWIZZLE, TmaOperand, tma_operand
+from sextant.schedule.tma import SWIZZLE, TmaOperand, tma_operand
 
 BC = 64  # keys per K/V tile
 STAGES = 3
 LEAD = STAGES - 1  # tiles the producer copies ahead: tile kt + LEAD once the consumers released tile kt - 1
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # FlashAttention-3's split: 128·24 + 256·240 ≤ 65,536
-HEADS = (64, 128)  # head sizes: whole 128-byte swizzled rows of f16/bf16, accumulators in registers
+HEADS = (16, 32, 64, 128)  # head sizes: whole swizzled rows of f16/bf16, accumulators in registers
+
+
+def swizzle_for(width: int) -> int:
+    """The swizzle (bytes) of a tile whose rows are ``width`` 16-bit elements: one 128-byte row
+    per 64 columns, or a single 32- or 64-byte row for the narrow heads."""
+    return min(SWIZZLE, 2 * width)
 
 
 def wgmma_attention_refusal(att: Attention, target: TargetDesc) -> str | None:
@@ -104,7 +111,7 @@ def wgmma_attention_refusal(att: Attention, target: TargetDesc) -> str | None:
         return "symbolic sizes (tensor maps are encoded for static shapes)"
     d, dv = att.q.shape[-1], att.v.shape[-1]
     if d not in HEADS or dv not in HEADS:
-        return f"head sizes {d}/{dv} (64 or 128: whole swizzled rows)"
+        return f"head sizes {d}/{dv} (16, 32, 64 or 128: whole swizzled rows)"
     return None
 
 
@@ -152,8 +159,8 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
         st = imod(kt_, STAGES)
         row = imul(kt_, BC)
         return [MbarrierArrive("bar", st, BC * (d + dv) * size),
-                *src_k.load("sK", imul(st, k_stage), bz, row, BC, "bar", st),
-                *src_v.load("sV", imul(st, v_stage), bz, row, BC, "bar", st)]
+                *src_k.load("sK", imul(st, k_stage), bz, row, BC, "bar", st, swizzle_for(d)),
+                *src_v.load("sV", imul(st, v_stage), bz, row, BC, "bar", st, swizzle_for(dv))]
 
     qbar = c(2 * STAGES)  # full[s] = bar[s], empty[s] = bar[S + s], Q's = bar[2S]
     consumer_threads = wgs * WARPGROUP
@@ -171,7 +178,7 @@ def gpu_wgmma_attention_kernel(group: Group, stored: set[int], target: TargetDes
     with e.scope() as produce:
         e.emit(SetMaxNReg(PRODUCER_REGS, False))
         prologue: list = [MbarrierArrive("bar", qbar, br * d * size),
-                          *src_q.load("sQ", c(0), bz, q0, br, "bar", qbar)]
+                          *src_q.load("sQ", c(0), bz, q0, br, "bar", qbar, swizzle_for(d))]
         for p in range(min(LEAD, static_tiles)):
             prologue += [If(_bool("lt", c(p), tiles), tuple(issue(c(p))))] if att.causal else issue(c(p))
         e.emit(If(first, tuple(prologue)))
@@ -238,10 +245,12 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
         _strided_loop(e, c(0), n_s, 1, lambda u: e.emit(Store(acc, u, zero)), "u", unroll=True)
         e.emit(WgmmaFence())
         kbase = e.bind(imul(st, k_stage), "kb")
-        for kk in range(d // 16):  # box kk // 4 of Q and K, 16 columns per step within it
-            box, step = divmod(kk, 4)
-            a = SmemMatrix("sQ", iadd(c(box * br * BOX + 16 * step), imul(cw, WGMMA_M * BOX)), SWIZZLE, 0, ATOM)
-            b = SmemMatrix("sK", iadd(kbase, c(box * BC * BOX + 16 * step)), SWIZZLE, 0, ATOM)
+        sw = swizzle_for(d)
+        width = sw // 2  # columns per box
+        for kk in range(d // 16):  # box kk // (width/16) of Q and K, 16 columns per step within it
+            box, step = divmod(kk, width // 16)
+            a = SmemMatrix("sQ", iadd(c(box * br * width + 16 * step), imul(cw, WGMMA_M * width)), sw, 0, 8 * sw)
+            b = SmemMatrix("sK", iadd(kbase, c(box * BC * width + 16 * step)), sw, 0, 8 * sw)
             e.emit(Wgmma(BC, acc, c(0), a, b))
         e.emit(WgmmaCommit())
 
@@ -279,7 +288,8 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
         e.emit(WgmmaFence())  # the accumulators and P were written by ordinary instructions
         vbase = e.bind(imul(imod(kt, STAGES), v_stage), "vb")
         for kk in range(BC // 16):  # O += P·V: 16 keys (rows of V) per step, 128 bytes each
-            b = SmemMatrix("sV", iadd(vbase, c(16 * kk * BOX)), SWIZZLE, BC * SWIZZLE, ATOM, "mn")
+            sv = swizzle_for(dv)  # 16 keys (rows of sv bytes) per step; the next box of columns BC rows on
+            b = SmemMatrix("sV", iadd(vbase, c(16 * kk * (sv // 2))), sv, BC * sv, 8 * sv, "mn")
             e.emit(Wgmma(dv, "oacc", c(0), RegMatrix("fp", c(8 * kk)), b))
         e.emit(WgmmaCommit())
 

@@ -40,21 +40,23 @@ class TmaOperand:
     lead: tuple[int, ...]  # the batch dims the outer dims' coordinates come from
 
     def box(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, col: Expr, rows: int, bar: str,
-            bar_index: Expr) -> TmaLoad:
-        """The copy of the ``rows × 64`` box at ``(row, col)`` of matrix ``bz`` (a linear index over
-        ``lead``) into ``dst``, swizzled, completing on ``bar[bar_index]``."""
+            bar_index: Expr, swizzle: int = SWIZZLE) -> TmaLoad:
+        """The copy of the box of ``rows`` × one swizzled row (64 16-bit columns at the 128-byte
+        swizzle) at ``(row, col)`` of matrix ``bz`` (a linear index over ``lead``) into ``dst``,
+        completing on ``bar[bar_index]``."""
         idx = delinearize(bz, self.lead) if self.lead else ()
         outer = tuple(iadd(idx[d], c(shift)) if shift else idx[d] for _, _, d, shift in self.outer)
         dims = tuple((n, k) for n, k, _, _ in self.outer)
-        return TmaLoad(dst, dst_off, self.name, row, col, (rows, BOX), (self.rows, self.cols), self.stride, SWIZZLE,
-                       bar, bar_index, outer, dims)
+        return TmaLoad(dst, dst_off, self.name, row, col, (rows, swizzle // 2), (self.rows, self.cols), self.stride,
+                       swizzle, bar, bar_index, outer, dims)
 
     def load(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, rows: int, bar: str,
-             bar_index: Expr) -> list[TmaLoad]:
-        """The copies of a ``rows × cols`` tile from ``row`` of matrix ``bz`` into ``dst``: one box of
-        64 columns after the other, ``rows·64`` elements apart."""
-        return [self.box(dst, iadd(dst_off, c(j * rows * BOX)), bz, row, c(j * BOX), rows, bar, bar_index)
-                for j in range(self.cols // BOX)]
+             bar_index: Expr, swizzle: int = SWIZZLE) -> list[TmaLoad]:
+        """The copies of a ``rows × cols`` tile from ``row`` of matrix ``bz`` into ``dst``: one box
+        of ``swizzle/2`` columns after the other, ``rows·swizzle/2`` elements apart."""
+        box = swizzle // 2
+        return [self.box(dst, iadd(dst_off, c(j * rows * box)), bz, row, c(j * box), rows, bar, bar_index, swizzle)
+                for j in range(self.cols // box)]
 
 
 def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_axis: int) -> TmaOperand | None:

@@ -33,3 +33,31 @@ def test_model_kernels_assemble(programs: dict, name: str, arch: str) -> None:
         assert 0 < res.registers <= 255
         assert res.spill_stores == 0 and res.spill_loads == 0, (k.name, res)
         assert res.shared_bytes == sum(b.size * b.dtype.itemsize for b in k.shared)
+
+
+@pytest.fixture(scope="module")
+def half_programs_sm90a() -> dict:
+    from sextant.schedule.target import gpu_target
+
+    out = {}
+    for name, factory in EXAMPLES.items():
+        model, args = factory()
+        args = tuple(a.half() if a.is_floating_point() else a for a in args)
+        out[name] = schedule(run_pipeline(sextant.capture(model.half(), args)), gpu_target("sm_90a"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_half_models_on_hopper_kernels_assemble_for_sm90a(half_programs_sm90a: dict, name: str) -> None:
+    """Each example model in f16 for sm_90a: every attention on the warp-specialised wgmma kernel,
+    every kernel assembled without spills, serialised wgmmas (C7512) or ignored setmaxnreg (C7508)."""
+    kernels = list(half_programs_sm90a[name].kernels.values())
+    mappings = [k.meta.get("mapping", "") for k in kernels]
+    assert "flash-attention-tensor-core" not in mappings
+    if name in ("mlp", "transformer-block", "gpt2"):
+        assert "wgmma-tma" in mappings
+    result = assemble(emit_ptx(kernels, arch="sm_90a").ptx, "sm_90a")
+    assert "C7512" not in result.log and "C7508" not in result.log
+    for k in kernels:
+        res = result.kernels[k.name]
+        assert res.spill_stores == 0 and res.spill_loads == 0, (k.name, res)

@@ -1,7 +1,7 @@
 """The Hopper flash attention (wgmma fed by TMA, P from registers, sm_90a): chosen for f16/bf16
 attention whose Q/K/V TMA can describe, correct through cuda-sim (race-checked, mbarrier phases
-included) against eager — causal and not, ragged lengths, one or two warpgroups, heads of 64 and
-128, masks, batch and head dims as the tensor maps' outer dimensions, the Q/K/V slices of one
+included) against eager — causal and not, ragged lengths, one or two warpgroups, heads of 16, 32,
+64 and 128, masks, batch and head dims as the tensor maps' outer dimensions, the Q/K/V slices of one
 projection — and assembled by ptxas for sm_90a without spills or serialised wgmmas; other
 attention keeps the mma.sync flash kernel."""
 
@@ -70,6 +70,8 @@ def _assembled_cleanly(cm: sextant.CompiledModule) -> None:
     ((2, 3, 100, 64), True, torch.float16),  # ragged: keys past 100 masked, rows past it not stored
     ((1, 2, 200, 64), True, torch.bfloat16),  # two warpgroups, four key tiles, causal tiles skipped
     ((1, 2, 96, 128), False, torch.float16),  # head 128: two swizzled boxes per row
+    ((1, 2, 130, 32), True, torch.float16),  # head 32: 64-byte swizzle
+    ((2, 2, 64, 16), False, torch.bfloat16),  # head 16: 32-byte swizzle, P·V of N = 16
 ])
 def test_sdpa_runs_on_wgmma_and_matches_eager(shape: tuple, causal: bool, dt: torch.dtype,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,7 +184,7 @@ def test_gpt2_two_layers_attention_on_wgmma(dt: torch.dtype, monkeypatch: pytest
 
 
 @pytest.mark.parametrize("head,arch,expected", [
-    (32, "sm_90a", "flash-attention-tensor-core"),  # not a whole swizzled row
+    (48, "sm_90a", "flash-attention-tensor-core"),  # not a whole swizzled row
     (64, "sm_90", "flash-attention-tensor-core"),  # wgmma needs the architecture-specific target
 ])
 def test_other_attention_keeps_mma_sync(head: int, arch: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
