@@ -57,15 +57,15 @@ from sextant.kernel.ir import (
     Mma,
     Select,
     Store,
-    Unary,
     WarpReduce,
 )
 from sextant.kernel.sizes import with_grid
 from sextant.schedule.attention_match import Attention, at
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import PAD, TC_DTYPES, sm_version
-from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
+from sextant.schedule.indexing import c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.online_softmax import online_softmax
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.views import chunked
@@ -237,37 +237,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
                     off = c(y * MMA.c_elems)
                     e.emit(Mma((16, 8, 16), "sacc", off, "fq", c(ks * MMA.a_elems), "fb",
                                c((y - 2 * p) * MMA.b_elems), "sacc", off))
-        tmax = [e.var("tmax", acc_t) for _ in range(2)]
-        for h in range(2):
-            e.emit(Assign(tmax[h], neg_inf))
-        for y in range(n_s):  # the logits, in place, and this lane's row maxima
-            for i in range(MMA.c_elems):
-                h = i >> 1
-                slot = c(y * MMA.c_elems + i)
-                col = e.bind(iadd(iadd(j0, tq), c(8 * y + i % 2)), "key")
-                z = logit(e, att, bz, rows_c[h], col, Load("sacc", slot, acc_t), n_kv if ragged else None)
-                e.emit(Store("sacc", slot, z))
-                e.emit(Assign(tmax[h], Binary("maximum", tmax[h], z, acc_t)))
-        shift = []
-        for h in range(2):
-            full = e.var("tm", acc_t)
-            e.emit(WarpReduce(full, "max", tmax[h], 4))  # the quad holding row g (+8)
-            m_new = e.bind(Binary("maximum", m[h], full, acc_t), "mn")
-            sh = e.bind(Select(Binary("eq", m_new, neg_inf, DType.bool), zero, m_new, acc_t), "sh")
-            corr = e.bind(Unary("exp", Binary("sub", m[h], sh, acc_t), acc_t), "corr")
-            e.emit(Assign(s[h], Binary("mul", s[h], corr, acc_t)))
-            for y in range(n_o):
-                for i in (2 * h, 2 * h + 1):
-                    slot = c(y * MMA.c_elems + i)
-                    e.emit(Store("oacc", slot, Binary("mul", Load("oacc", slot, acc_t), corr, acc_t)))
-            e.emit(Assign(m[h], m_new))
-            shift.append(sh)
-        for y in range(n_s):  # P = exp(z - m), kept as the A fragments of P·V (same lanes, same slots)
-            for i in range(MMA.c_elems):
-                slot = c(y * MMA.c_elems + i)
-                p_val = e.bind(Unary("exp", Binary("sub", Load("sacc", slot, acc_t), shift[i >> 1], acc_t), acc_t), "p")
-                e.emit(Assign(s[i >> 1], Binary("add", s[i >> 1], p_val, acc_t)))
-                e.emit(Store("fp", slot, Cast(p_val, dt)))
+        online_softmax(e, att, bz, rows_c, tq, j0, n_kv if ragged else None, "sacc", n_s * MMA.c_elems, "oacc",
+                       n_o * MMA.c_elems, m, s, "fp", dt)
         for kk in range(bc // 16):  # O += P·V
             for p in range(n_o // 2):
                 addr = iadd(vbase, iadd(imul(iadd(vb_row, c(kk * 16)), v_stride), iadd(vb_col, c(p * 16))))
@@ -352,21 +323,3 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
             "max_registers": 128 if max(d, dv) <= 64 else None}
     return with_grid(Kernel(name, tuple(params), (1, 1, 1), (32 * WARPS, 1, 1), tuple(e.stmts),
                             shared=tuple(shared), local=local, meta=meta), grid)
-
-
-def logit(e: ValueEmitter, att: Attention, bz: Expr, row: Expr, key: Expr, score: Expr, n_kv: int | None) -> Expr:
-    """``Z`` at ``(row, key)`` from the score accumulator: the fused scale/mask ops; with ``n_kv``
-    (the ragged tile), -inf past the last key (whose loads read the last key instead)."""
-    acc_t = DType.f32
-    valid = None
-    if n_kv is not None:
-        valid = e.bind(_bool("lt", key, c(n_kv)), "kin")
-        key = e.bind(imin(key, c(n_kv - 1)), "kc")
-    sc = att.scores
-    e.regs[id(sc)] = e.bind(score if sc.dtype == acc_t else Cast(score, sc.dtype), "sc")
-    z = e.value(att.logits, at(att.logits, bz, row, key))
-    e.regs.pop(id(sc))
-    z = z if z.dtype == acc_t else e.bind(Cast(z, acc_t), "z")
-    if valid is not None:
-        z = e.bind(Select(valid, z, Const(-math.inf, acc_t), acc_t), "z")
-    return z

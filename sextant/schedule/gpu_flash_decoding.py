@@ -60,10 +60,10 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.sizes import with_grid
 from sextant.schedule.attention_match import Attention, at
-from sextant.schedule.gpu_flash_attention import logit
 from sextant.schedule.gpu_kernels import BID_X, TID_X, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import KernelChain, setup_kernel, store_epilogue
+from sextant.schedule.online_softmax import logit
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 

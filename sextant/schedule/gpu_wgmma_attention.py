@@ -67,7 +67,6 @@ from sextant.kernel.ir import (
     SetMaxNReg,
     SmemMatrix,
     Store,
-    Unary,
     Var,
     WarpReduce,
     Wgmma,
@@ -78,11 +77,12 @@ from sextant.kernel.ir import (
 from sextant.kernel.sizes import with_grid
 from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
 from sextant.schedule.attention_match import Attention, at
-from sextant.schedule.gpu_flash_attention import half_dtype, logit
+from sextant.schedule.gpu_flash_attention import half_dtype
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_wgmma import is_sm90a
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
+from sextant.schedule.online_softmax import online_softmax
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.tma import SWIZZLE, TmaOperand, tma_operand
@@ -258,33 +258,7 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
         """Tile ``kt``'s scores (in ``sacc``, complete) through the online softmax into P, then
         ``O += P·V`` issued and committed."""
         j0 = e.bind(imul(kt, BC), "j0")
-        tmax = [e.var("tmax", acc_t) for _ in range(2)]
-        for h in range(2):
-            e.emit(Assign(tmax[h], neg_inf))
-        for i in range(n_s):  # the logits, in place, and this thread's row maxima
-            h = (i >> 1) & 1
-            key = e.bind(iadd(j0, iadd(tq, c(8 * (i >> 2) + (i & 1)))), "key")
-            z = logit(e, att, bz, rows_c[h], key, Load("sacc", c(i), acc_t), ragged)
-            e.emit(Store("sacc", c(i), z))
-            e.emit(Assign(tmax[h], Binary("maximum", tmax[h], z, acc_t)))
-        shift = []
-        for h in range(2):
-            full = e.var("tm", acc_t)
-            e.emit(WarpReduce(full, "max", tmax[h], 4))  # the quad holding row g (+8)
-            m_new = e.bind(Binary("maximum", m[h], full, acc_t), "mn")
-            sh = e.bind(Select(Binary("eq", m_new, neg_inf, DType.bool), zero, m_new, acc_t), "sh")
-            corr = e.bind(Unary("exp", Binary("sub", m[h], sh, acc_t), acc_t), "corr")
-            e.emit(Assign(s[h], Binary("mul", s[h], corr, acc_t)))
-            for i in range(n_o):
-                if (i >> 1) & 1 == h:
-                    e.emit(Store("oacc", c(i), Binary("mul", Load("oacc", c(i), acc_t), corr, acc_t)))
-            e.emit(Assign(m[h], m_new))
-            shift.append(sh)
-        for i in range(n_s):  # P = exp(z - m): the register A fragments of P·V (same slots)
-            h = (i >> 1) & 1
-            p_val = e.bind(Unary("exp", Binary("sub", Load("sacc", c(i), acc_t), shift[h], acc_t), acc_t), "p")
-            e.emit(Assign(s[h], Binary("add", s[h], p_val, acc_t)))
-            e.emit(Store("fp", c(i), Cast(p_val, dt)))
+        online_softmax(e, att, bz, rows_c, tq, j0, ragged, "sacc", n_s, "oacc", n_o, m, s, "fp", dt)
         e.emit(WgmmaFence())  # the accumulators and P were written by ordinary instructions
         vbase = e.bind(imul(imod(kt, STAGES), v_stage), "vb")
         for kk in range(BC // 16):  # O += P·V: 16 keys (rows of V) per step, 128 bytes each
