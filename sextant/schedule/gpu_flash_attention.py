@@ -41,7 +41,6 @@ from sextant.kernel.fragments import MMA_SHAPES
 from sextant.kernel.ir import (
     Assign,
     Barrier,
-    Binary,
     Buffer,
     Cast,
     Const,
@@ -53,19 +52,16 @@ from sextant.kernel.ir import (
     If,
     Kernel,
     LdMatrix,
-    Load,
     Mma,
-    Select,
     Store,
-    WarpReduce,
 )
 from sextant.kernel.sizes import with_grid
 from sextant.schedule.attention_match import Attention, at
 from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import PAD, TC_DTYPES, sm_version
 from sextant.schedule.indexing import c, divisible, iadd, idiv, imin, imod, imul
-from sextant.schedule.kernels import setup_kernel, store_epilogue
-from sextant.schedule.online_softmax import online_softmax
+from sextant.schedule.kernels import setup_kernel
+from sextant.schedule.online_softmax import normalized_stores, online_softmax
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.views import chunked
@@ -121,7 +117,7 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
     dt = half_dtype(att.q)
     assert dt is not None
     acc_t = DType.f32
-    q, kt, v, out = att.q, att.kt, att.v, att.out
+    q, kt, v = att.q, att.kt, att.v
     *batch, n_q, d = q.shape
     n_kv, dv = kt.shape[-1], v.shape[-1]
     bc = kv_tile_keys(d)
@@ -293,27 +289,8 @@ def gpu_flash_attention_kernel(group: Group, stored: set[int], target: TargetDes
             e.emit(If(_and(cond), tuple(tail)))
         else:
             e.stmts.extend(tail)
-    inv = []
-    for h in range(2):
-        total = e.var("lsum", acc_t)
-        e.emit(WarpReduce(total, "sum", s[h], 4))
-        r = e.bind(Binary("div", Const(1.0, acc_t), total, acc_t), "inv")
-        if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
-            r = e.bind(Select(Binary("eq", m[h], neg_inf, DType.bool), zero, r, acc_t), "inv")
-        inv.append(r)
-    for y in range(n_o):
-        for i in range(MMA.c_elems):
-            h = i >> 1
-            col = e.bind(iadd(tq, c(8 * y + i % 2)), "dcol")
-            slot = c(y * MMA.c_elems + i)
-
-            def store(h: int = h, col: Expr = col, slot: Expr = slot) -> None:
-                val = Binary("mul", Load("oacc", slot, acc_t), inv[h], acc_t)
-                e.regs[id(out)] = e.bind(val if out.dtype == acc_t else Cast(val, out.dtype), "o")
-                store_epilogue(e, group, at(out, bz, rows[h], col))
-                e.regs.pop(id(out))
-
-            _guarded(e, None if divisible(n_q, BR) else _and([_bool("lt", rows[h], c(n_q))]), store)
+    normalized_stores(e, att, group, bz, rows, tq, "oacc", n_o * MMA.c_elems, s, m,
+                      None if divisible(n_q, BR) else n_q)
     _check_shared(name, shared, target)
     # .maxnreg 128 for heads up to 64: left to itself ptxas held some of these kernels (a ragged
     # last tile after a one-tile loop) to 96 registers and spilled; 128 still gives 4 blocks (16

@@ -52,7 +52,6 @@ from sextant.kernel.ir import (
     Barrier,
     Binary,
     Buffer,
-    Cast,
     Const,
     Expr,
     For,
@@ -63,12 +62,10 @@ from sextant.kernel.ir import (
     MbarrierInit,
     MbarrierWait,
     RegMatrix,
-    Select,
     SetMaxNReg,
     SmemMatrix,
     Store,
     Var,
-    WarpReduce,
     Wgmma,
     WgmmaCommit,
     WgmmaFence,
@@ -76,13 +73,13 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.sizes import with_grid
 from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
-from sextant.schedule.attention_match import Attention, at
+from sextant.schedule.attention_match import Attention
 from sextant.schedule.gpu_flash_attention import half_dtype
-from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
+from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _strided_loop
 from sextant.schedule.gpu_wgmma import is_sm90a
 from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
-from sextant.schedule.kernels import setup_kernel, store_epilogue
-from sextant.schedule.online_softmax import online_softmax
+from sextant.schedule.kernels import setup_kernel
+from sextant.schedule.online_softmax import normalized_stores, online_softmax
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.tma import SWIZZLE, TmaOperand, tma_operand
@@ -222,7 +219,6 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
     everything, release the stage, ``snext`` becomes ``sacc``. The last tile without a next one;
     then ``O / l`` through the fused epilogue."""
     acc_t = DType.f32
-    out = att.out
     n_s, n_o = BC // 2, dv // 2  # accumulators per thread
     k_stage, v_stage = BC * d, BC * dv
     zero, neg_inf = Const(0.0, acc_t), Const(-math.inf, acc_t)
@@ -281,26 +277,7 @@ def _consumer(e: ValueEmitter, att: Attention, dt: DType, cw: Expr, lane: Expr, 
         _strided_loop(e, c(0), n_s, 1, lambda u: e.emit(Store("sacc", u, Load("snext", u, acc_t))), "u",
                       unroll=True)
     e.emit(For(kt_, c(0), stop, 1, tuple(body)))
-    last = e.bind(iadd(stop, c(0)), "last") if not isinstance(stop, Const) else stop
     e.emit(WgmmaWait(0, ("sacc",)))
-    softmax_pv(last)
+    softmax_pv(stop)  # the last tile
     e.emit(WgmmaWait(0, ("oacc",)))
-    inv = []
-    for h in range(2):
-        total = e.var("lsum", acc_t)
-        e.emit(WarpReduce(total, "sum", s[h], 4))
-        r = e.bind(Binary("div", Const(1.0, acc_t), total, acc_t), "inv")
-        if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
-            r = e.bind(Select(Binary("eq", m[h], neg_inf, DType.bool), zero, r, acc_t), "inv")
-        inv.append(r)
-    for i in range(n_o):
-        h = (i >> 1) & 1
-        col = e.bind(iadd(tq, c(8 * (i >> 2) + (i & 1))), "dcol")
-
-        def store(h: int = h, col: Expr = col, i: int = i) -> None:
-            val = Binary("mul", Load("oacc", c(i), acc_t), inv[h], acc_t)
-            e.regs[id(out)] = e.bind(val if out.dtype == acc_t else Cast(val, out.dtype), "o")
-            store_epilogue(e, group, at(out, bz, rows[h], col))
-            e.regs.pop(id(out))
-
-        _guarded(e, None if divisible(n_q, br) else _bool("lt", rows[h], c(n_q)), store)
+    normalized_stores(e, att, group, bz, rows, tq, "oacc", n_o, s, m, None if divisible(n_q, br) else n_q)

@@ -1,4 +1,5 @@
-"""One key tile of a flash attention's online softmax, on score accumulators in registers.
+"""A flash attention's online softmax on score accumulators in registers: one key tile, and the
+normalisation and stores after the last.
 
 Both tensor-core attention kernels hold a tile's scores in the accumulator layout that
 ``mma.sync``'s m16n8 C fragment and ``wgmma``'s D fragment share per warp: slot ``i`` of a
@@ -15,10 +16,13 @@ from __future__ import annotations
 import math
 
 from sextant.graph.dtypes import DType
+from sextant.graph.symbolic import Dim
 from sextant.kernel.ir import Assign, Binary, Cast, Const, Expr, Load, Select, Store, Unary, Var, WarpReduce
 from sextant.schedule.attention_match import Attention, at
-from sextant.schedule.gpu_kernels import _bool
+from sextant.schedule.gpu_kernels import _bool, _guarded
 from sextant.schedule.indexing import ValueEmitter, c, iadd, imin
+from sextant.schedule.kernels import store_epilogue
+from sextant.schedule.partition import Group
 
 
 def online_softmax(e: ValueEmitter, att: Attention, bz: Expr, rows: list[Expr], tq: Expr, j0: Expr,
@@ -57,6 +61,35 @@ def online_softmax(e: ValueEmitter, att: Attention, bz: Expr, rows: list[Expr], 
         p_val = e.bind(Unary("exp", Binary("sub", Load(scores, c(i), acc_t), shift[h], acc_t), acc_t), "p")
         e.emit(Assign(s[h], Binary("add", s[h], p_val, acc_t)))
         e.emit(Store(probs, c(i), Cast(p_val, dt)))
+
+
+def normalized_stores(e: ValueEmitter, att: Attention, group: Group, bz: Expr, rows: list[Expr], tq: Expr,
+                      out: str, n_out: int, s: list[Var], m: list[Var], n_q: Dim | None) -> None:
+    """The end of the key loop: each row's sum over its quad, ``O / l`` (0 for a row the mask
+    hides entirely when the graph asks for it), cast, and the group's fused epilogue stored at
+    each of ``out``'s ``n_out`` slots' ``(row, column)``; ``n_q``: guard the rows past it."""
+    acc_t = DType.f32
+    zero, neg_inf = Const(0.0, acc_t), Const(-math.inf, acc_t)
+    node = att.out
+    inv = []
+    for h in range(2):
+        total = e.var("lsum", acc_t)
+        e.emit(WarpReduce(total, "sum", s[h], 4))
+        r = e.bind(Binary("div", Const(1.0, acc_t), total, acc_t), "inv")
+        if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
+            r = e.bind(Select(Binary("eq", m[h], neg_inf, DType.bool), zero, r, acc_t), "inv")
+        inv.append(r)
+    for i in range(n_out):
+        h = (i >> 1) & 1
+        col = e.bind(iadd(tq, c(8 * (i >> 2) + (i & 1))), "dcol")
+
+        def store(h: int = h, col: Expr = col, i: int = i) -> None:
+            val = Binary("mul", Load(out, c(i), acc_t), inv[h], acc_t)
+            e.regs[id(node)] = e.bind(val if node.dtype == acc_t else Cast(val, node.dtype), "o")
+            store_epilogue(e, group, at(node, bz, rows[h], col))
+            e.regs.pop(id(node))
+
+        _guarded(e, None if n_q is None else _bool("lt", rows[h], c(n_q)), store)
 
 def logit(e: ValueEmitter, att: Attention, bz: Expr, row: Expr, key: Expr, score: Expr, n_kv: int | None) -> Expr:
     """``Z`` at ``(row, key)`` from the score accumulator: the fused scale/mask ops; with ``n_kv``

@@ -21,7 +21,6 @@ from sextant.schedule.indexing import c, delinearize, iadd
 from sextant.schedule.views import strided_view
 
 SWIZZLE = 128  # bytes: one swizzled row
-BOX = SWIZZLE // 2  # columns of one box of 16-bit elements
 MAX_OUTER = 3  # a tensor map has at most 5 dimensions
 
 
