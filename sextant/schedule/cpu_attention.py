@@ -81,22 +81,21 @@ def key_tile(dim: int, dim_v: int) -> int:
 def _micro_gemm(e, rows: int, cols: int, depth: int, a, b, init, store, acc_t: DType) -> None:
     """``store(r, u, init(r, u) + Σ_k a(r, k)·b(k, u))`` for a ``rows × cols`` register tile: the
     CPU GEMM's micro-kernel (``cpu_gemm``) — accumulators in a constant-indexed local array,
-    ``rows`` broadcasts of A and one vector of B per step, every loop but the depth unrolled."""
+    per step a row of B against one broadcast of A per row, every loop but the depth unrolled."""
     loop = _loop
     for r in range(rows):
         loop(e, cols, lambda u, r=r: e.emit(Store("acc", iadd(c(r * cols), u), init(r, u))), "u", unroll=True)
 
-    def step(k: Var) -> None:
-        avals = [e.bind(a(r, k), "a") for r in range(rows)]
+    def step(k: Var) -> None:  # row by row, one value of A live at a time (see cpu_gemm's kstep)
+        for r in range(rows):
+            av = e.bind(a(r, k), "a")
 
-        def col(u: Var) -> None:
-            bv = e.bind(b(k, u), "bv")
-            for r in range(rows):
+            def col(u: Var, r: int = r, av: Expr = av) -> None:
                 slot = iadd(c(r * cols), u)
                 e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
-                                                 Binary("mul", avals[r], bv, acc_t), acc_t)))
+                                                 Binary("mul", av, b(k, u), acc_t), acc_t)))
 
-        loop(e, cols, col, "u", unroll=True)
+            loop(e, cols, col, "u", unroll=True)
 
     loop(e, depth, step, "k")
     for r in range(rows):

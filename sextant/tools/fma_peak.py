@@ -2,8 +2,9 @@
 has AVX-512-BF16, its bf16 pair-dot peak (``vdpbf16ps``: 2 multiply-adds per f32 lane), what a
 bf16 GEMM's are compared with.
 
-A loop of independent fused multiply-adds on the widest vectors LLVM targets here (16 chains, more
-than any core's FMA latency × throughput, so the units never wait), JIT-compiled through llvmlite
+A loop of independent fused multiply-adds on the widest vectors LLVM targets here (:func:`chains`
+of them: more than any core's FMA latency × throughput, so the units never wait, and few enough
+to stay in registers), JIT-compiled through llvmlite
 for the host, timed on one thread and on every core at once (ctypes releases the GIL, so the
 threads run in parallel). Measured rather than computed from a data sheet: the clock under load,
 AVX-512 frequency offsets and a VM's share of the cores are all in the figure.
@@ -20,7 +21,13 @@ import time
 from dataclasses import dataclass
 from functools import cache
 
-CHAINS = 16
+
+def chains(lanes: int) -> int:
+    """Independent accumulator chains: 16 in AVX-512's 32 zmm registers, 12 in AVX2's 16 ymm
+    (with the two operands). 16 chains on AVX2 spilled two accumulators a trip, whose store-to-load
+    round trip then set the pace: a Zen 3 core measured 51 GFLOP/s against 96 with 12 chains (8 to
+    14 gave 88–96; MKL's own GEMMs ran at 99–130 GFLOP/s on 2 cores, past the spilled "peak")."""
+    return 16 if lanes >= 16 else 12
 
 
 @dataclass(frozen=True)
@@ -38,17 +45,18 @@ class Peak:
 
 
 def _ir(lanes: int, kind: str = "fma") -> str:
+    n = chains(lanes)
     vec = f"<{lanes} x float>"
     init = f"<{', '.join(['float 1.0'] * lanes)}>"
-    phis = "\n".join(f"  %a{c} = phi {vec} [ {init}, %entry ], [ %b{c}, %loop ]" for c in range(CHAINS))
+    phis = "\n".join(f"  %a{c} = phi {vec} [ {init}, %entry ], [ %b{c}, %loop ]" for c in range(n))
     if kind == "fma":
         decl, op, arg = f"{vec} @llvm.fma.v{lanes}f32({vec}, {vec}, {vec})", f"@llvm.fma.v{lanes}f32", vec
     else:  # the same registers read as 2·lanes bf16 values
         arg = f"<{2 * lanes} x bfloat>"
         op = f"@llvm.x86.avx512bf16.dpbf16ps.{32 * lanes}"
         decl = f"{vec} {op}({vec}, {arg}, {arg})"
-    fmas = "\n".join(f"  %b{c} = call {vec} {op}({vec} %a{c}, {arg} %x, {arg} %y)" for c in range(CHAINS))
-    sums = [f"%b{c}" for c in range(CHAINS)]
+    fmas = "\n".join(f"  %b{c} = call {vec} {op}({vec} %a{c}, {arg} %x, {arg} %y)" for c in range(n))
+    sums = [f"%b{c}" for c in range(n)]
     adds = []
     while len(sums) > 1:
         k = len(adds)
@@ -121,7 +129,7 @@ def measure(cores: int | None = None, seconds: float = 0.3, kind: str = "fma") -
     "bf16 dot" needs AVX-512-BF16 (:func:`sextant.host.host_pair_dot`)."""
     _, _, lanes = _kernel(kind)
     cores = cores or os.cpu_count() or 1
-    flops_per_trip = (2 if kind == "fma" else 4) * CHAINS * lanes
+    flops_per_trip = (2 if kind == "fma" else 4) * chains(lanes) * lanes
     trial = 200_000
     per_trip = _run(1, trial, kind) / trial
     iters = max(trial, int(seconds / per_trip))
