@@ -53,3 +53,33 @@ def test_matmul_with_bias_matches_reference(vector_bytes: int, batch: tuple[int,
     (want,) = run_graph(graph, inputs)
     tol = {} if dtype == DType.f32 else {"atol": 2e-2, "rtol": 1e-2}
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize(("vector_bytes", "cpu", "fmas"), [(32, "znver3", 12), (32, "haswell", 12),
+                                                           (64, "skylake-avx512", 16)])
+def test_micro_kernel_keeps_its_tile_in_registers(vector_bytes: int, cpu: str, fmas: int) -> None:
+    """The k loop of the matmul, compiled for a CPU of each vector width (whatever the host): its
+    ``mr·nr / lanes`` FMAs and no stack access. Binding all of A's rows before B (the order until
+    2026-12) held 19 values in AVX2's 16 registers and spilled three accumulators per k step."""
+    import llvmlite.binding as llvm
+
+    from sextant.codegen.llvm_cpu import DEFAULT_OPTIONS, emit_module
+    from sextant.codegen.objects import optimize
+
+    b = GraphBuilder("mm")
+    x, w = b.input("x", (128, 256), DType.f32), b.input("w", (256, 768), DType.f32)
+    graph = run_pipeline(b.build([b.matmul(x, w)]))
+    program = schedule(graph, cpu_target(cores=2, vector_bytes=vector_bytes))
+    (kernel,) = program.kernels.values()
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, opt=3)
+    text = str(emit_module([kernel], tm, vector_bytes=vector_bytes))
+    asm = tm.emit_assembly(optimize(text, tm, DEFAULT_OPTIONS))
+    # basic blocks up to their branch: the code after a loop's back edge falls through into the label
+    blocks = [blk.split("\n\tj")[0] for blk in asm.split("\n.LBB")]
+    blocks = [blk for blk in blocks if blk.count("vfmadd231ps") >= fmas]
+    assert blocks, f"no block with {fmas} FMAs in the matmul compiled for {cpu}"
+    inner = min(blocks, key=len)  # the k loop: the FMAs and little else
+    assert inner.count("vfmadd231ps") == fmas
+    assert "rsp" not in inner, f"the k loop spills on {cpu}:\n{inner}"
