@@ -1,26 +1,38 @@
 """Fused attention on the CPU: a flash-attention loop nest shaped for vector registers.
 
-A block walks a chunk of *row blocks* — two GEMM micro-tiles' worth of query rows of one
-batch/head — and streams the keys and values past them in tiles (``key_tile``: 64–256 keys)
-with an *online softmax* (Milakov & Gimelshein 2018; FlashAttention): each row keeps its
-running max ``m``, the running sum ``l`` of ``exp(z - m)`` and its unnormalised output
+A block owns a *chunk* of one batch/head's query rows (up to ``CHUNK_ROWS``; fewer where the
+heads alone would leave a core without two blocks), walked in *row blocks* of two GEMM
+micro-tiles' worth of rows, and streams the keys and values past them in tiles (``key_tile``:
+64–256 keys) with an *online softmax* (Milakov & Gimelshein 2018; FlashAttention): each row keeps
+its running max ``m``, the running sum ``l`` of ``exp(z - m)`` and its unnormalised output
 ``o = Σ exp(z_j - m)·v_j``; a tile with a larger max rescales both by ``exp(m_old - m_new)``
 (0 stands in for a max of -inf, a row masked so far), and the row is divided by ``l`` at the
 end (0 for a fully masked row when the graph asks for it). What makes it fast on a CPU:
 
-* The K tile is staged **transposed** (``Kt[d][jj]``) and the V tile as is (``Vt[jj][d]``), once
-  per row block, so its rows reuse them from cache and both products are the CPU GEMM's
-  micro-kernel (``cpu_gemm``): ``S[r][0:nr] += q[r][d] · Kt[d][0:nr]`` and
+* The K tile is staged **transposed** (``Kt[d][jj]``) and the V tile as is (``Vt[jj][d]``),
+  **once per chunk** — every row block of the chunk then takes the tile (the loop over key tiles
+  is outside the loop over row blocks, the rows' running state is per chunk) — and both products
+  are the CPU GEMM's micro-kernel (``cpu_gemm``): ``S[r][0:nr] += q[r][d] · Kt[d][0:nr]`` and
   ``O[r][0:nr] += P[r][jj] · Vt[jj][0:nr]`` on ``mr × nr`` accumulators that LLVM keeps in vector
-  registers (a constant-indexed local array in fully unrolled loops).
-* Per row, the logits (the fused scale and masks, per element from the score) are one loop,
-  ``exp`` another (vectorised), and the row max and sum vector-width partials (``_lane_split``);
-  the running max/sum, the rescale factors and the output rows of the block are small local arrays.
+  registers (a constant-indexed local array in fully unrolled loops). Staged once per row block
+  of 12 rows (the order before), the scalar transpose of K cost about as much as the products.
+* Per row, two passes over vector-width lanes (``_lane_split``, which the CPU lowering emits as
+  vector code): the logits (the fused scale and masks, per element from the score) with their
+  max, then ``P = exp(z - m)`` with its sum — exp included, vectorised (LLVM left the plain loop
+  over ``exp`` scalar). The running max/sum, the rescale factors and the chunk's output rows are
+  local arrays.
+* Static key counts are cut into tiles of even length (ViT's 197 keys as 2 × 112, not 128 + 69
+  of a 128-key tile).
+
+Measured on 2 Zen 3 cores (AVX2, fp32 SDPA, GFLOP/s, interleaved best-of-24; eager's flash
+kernel beside): BERT's 12 heads × 128 × 64 27 → 59–63 (eager 53–83), ViT's 12 × 197 × 64
+22 → 57–66 (47–72), 12 × 256 × 64 32 → 67–102 (69–104), 2 × 1024 × 64 → 83–110 (100–122).
 
 Keys past the end are read as the last key and masked (their values staged as 0); rows past the
-end are computed from the last row and never stored. A causal mask stops each row block at its
-diagonal tile; a tile that a boolean mask hides from every row of the block (``Attention.masks``:
-a decode step's keys past its position, padding) is skipped after one pass over the mask.
+end are computed from the last row and never stored. A causal mask stops each chunk at its
+diagonal tile and skips a row block's tiles past its diagonal; a tile that a boolean mask hides
+from every row of the chunk (``Attention.masks``: a decode step's keys past its position,
+padding) is not staged, and one it hides from a row block's rows is skipped for that row block.
 """
 
 from __future__ import annotations
@@ -64,6 +76,8 @@ from sextant.schedule.target import TargetDesc
 
 TILE_BYTES = 64 * 1024  # the staged K and V tiles of a row block together (measured, see key_tile)
 KEY_TILES = (256, 128, 64)  # keys per tile, longest first
+ROW_TILES = 2  # register tiles of query rows per row block
+CHUNK_ROWS = 256  # query rows per block at most: their output rows are 64 KiB at 64-wide heads
 
 
 def key_tile(dim: int, dim_v: int) -> int:
@@ -115,22 +129,31 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
     # over symbolic lengths the tiles are chosen for the longest (ragged rows and keys always guarded)
     n_q_most, n_kv_most = capacity(n_q), capacity(n_kv)
     rg = min(mr, n_q_most)  # rows per register tile; a row block is two of them
-    br = min(2 * rg, -(-n_q_most // rg) * rg)
+    br = min(ROW_TILES * rg, -(-n_q_most // rg) * rg)
     nk = nr if n_kv_most >= nr else narrow_columns(n_kv_most, nr) if divisible(n_kv, 4) else nr
     nv = narrow_columns(dim_v, nr)
     dvp = -(-dim_v // nv) * nv  # value rows padded to whole register-tile widths
     # over a symbolic key count every tile computes all its keys (past n_kv masked): the shortest
     # tile keeps short sequences cheap (GPT-2 2-layer at 1 token: 2.2 → 0.7 ms with 64 for 256 keys)
     keys = KEY_TILES[-1] if isinstance(n_kv, SymDim) else key_tile(dim, dvp)
-    tile = keys if n_kv_most >= keys else -(-n_kv_most // nk) * nk  # keys past n_kv are masked
+    # static keys: tiles of even length, so a ragged end wastes less than one register tile (ViT's
+    # 197 keys as 2 × 112 rather than 128 + 69 of 128); keys past n_kv are masked
+    spread = keys if isinstance(n_kv, SymDim) else -(-n_kv_most // -(-n_kv_most // keys))
+    tile = min(keys, -(-spread // nk) * nk) if n_kv_most >= keys else -(-n_kv_most // nk) * nk
     lanes = reduce_lanes(target, acc_t, tile)
-    n_qb = -(-n_q // br)
-    blocks_total = math.prod(batch) * n_qb
-    local = (Buffer("qb", dot_t, br * dim, "local"), Buffer("kt", dot_t, dim * tile, "local"),
+    # a block owns a *chunk* of a head's query rows: up to CHUNK_ROWS, fewer where the heads alone
+    # would not give every core two blocks; the K and V tiles are staged once per chunk
+    rbs_most = -(-n_q_most // br)
+    heads_most = math.prod(capacity(d) for d in batch)
+    per_chunk = max(1, min(rbs_most, CHUNK_ROWS // br, rbs_most * heads_most // (2 * target.cores)))
+    rows_c = per_chunk * br
+    n_chunks = -(-n_q // rows_c)
+    blocks_total = math.prod(batch) * n_chunks
+    local = (Buffer("qb", dot_t, rows_c * dim, "local"), Buffer("kt", dot_t, dim * tile, "local"),
              Buffer("vt", acc_t, tile * dvp, "local"), Buffer("zt", acc_t, br * tile, "local"),
-             Buffer("ob", acc_t, br * dvp, "local"), Buffer("acc", acc_t, rg * max(nk, nv), "local"),
-             Buffer("mb", acc_t, br, "local"), Buffer("lb", acc_t, br, "local"), Buffer("cb", acc_t, br, "local"),
-             Buffer("red", acc_t, lanes, "local"))
+             Buffer("ob", acc_t, rows_c * dvp, "local"), Buffer("acc", acc_t, rg * max(nk, nv), "local"),
+             Buffer("mb", acc_t, rows_c, "local"), Buffer("lb", acc_t, rows_c, "local"),
+             Buffer("cb", acc_t, rows_c, "local"), Buffer("red", acc_t, lanes, "local"))
     neg_inf, zero = Const(-math.inf, acc_t), Const(0.0, acc_t)
     half_p = att.probs.dtype if att.probs.dtype != acc_t else None  # P rounded as the product reads it
     ragged_kv = not divisible(n_kv, tile)
@@ -142,12 +165,18 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
     def as_(x: Expr, dt: DType) -> Expr:
         return x if x.dtype == dt else Cast(x, dt)
 
-    def row_block(rb: Var) -> None:
-        bl = e.bind(idiv(rb, n_qb), "b") if batch else c(0)
-        i0 = e.bind(imul(imod(rb, n_qb), br), "i0")
+    def chunk(cu: Var) -> None:
+        """A chunk of one head's query rows: each K/V tile staged once, then every row block of the
+        chunk takes it (its scores, online softmax and output update)."""
+        bl = e.bind(idiv(cu, n_chunks), "b") if batch else c(0)
+        c0 = e.bind(imul(imod(cu, n_chunks), rows_c), "c0")
+        # row blocks holding rows: all of them but in a ragged last chunk
+        nrb = c(per_chunk) if divisible(n_q, rows_c) else \
+            e.bind(imin(c(per_chunk), idiv(iadd(c(n_q + br - 1), imul(c0, -1)), br)), "nrb")
+        rows = c(rows_c) if isinstance(nrb, Const) else e.bind(imul(nrb, br), "rows")
 
         def row_of(r: Expr) -> Expr:  # rows past the end compute the last row's values, never stored
-            return e.bind(iadd(i0, r), "i") if divisible(n_q, br) else e.bind(imin(iadd(i0, r), c(n_q - 1)), "i")
+            return e.bind(iadd(c0, r), "i") if divisible(n_q, br) else e.bind(imin(iadd(c0, r), c(n_q - 1)), "i")
 
         def query_row(r: Var) -> None:
             i = row_of(r)
@@ -157,10 +186,10 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
             e.emit(Store("lb", r, zero))
             loop(dvp, lambda d: e.emit(Store("ob", iadd(imul(r, dvp), d), zero)), "d")
 
-        loop(br, query_row, "r")
+        loop(0, query_row, "r", stop=rows)
 
-        def kv_tile(j0: Var) -> None:
-            def stage(jj: Var) -> None:
+        def stage(j0: Var) -> None:
+            def key(jj: Var) -> None:
                 j = e.bind(iadd(j0, jj), "j")
                 valid = Binary("lt", j, c(n_kv), DType.bool)
                 jc = e.bind(imin(j, c(n_kv - 1)), "jc") if ragged_kv else j
@@ -177,34 +206,40 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                 for d in range(dim_v, dvp):
                     e.emit(Store("vt", iadd(imul(jj, dvp), c(d)), zero))
 
-            loop(tile, stage, "jj")
+            loop(tile, key, "jj")
 
+        def row_block(j0: Var, rb: Expr) -> None:
+            """The staged tile against the row block whose first row is the chunk's ``rb``."""
             # S = Q·Kᵀ for the row block, a register tile of rg rows × nk keys at a time
-            def s_tile(r0: int, c0: Var) -> None:
+            def s_tile(r0: int, c0_: Var) -> None:
+                qrow = lambda r: iadd(imul(rb, dim), c((r0 + r) * dim))
                 _micro_gemm(e, rg, nk, dim,
-                            lambda r, k: as_(Load("qb", iadd(c((r0 + r) * dim), k), dot_t), acc_t),
-                            lambda k, u: as_(Load("kt", iadd(imul(k, tile), iadd(c0, u)), dot_t), acc_t),
+                            lambda r, k: as_(Load("qb", iadd(qrow(r), k), dot_t), acc_t),
+                            lambda k, u: as_(Load("kt", iadd(imul(k, tile), iadd(c0_, u)), dot_t), acc_t),
                             lambda r, u: zero,
-                            lambda r, u, val: e.emit(Store("zt", iadd(c((r0 + r) * tile), iadd(c0, u)), val)), acc_t)
+                            lambda r, u, val: e.emit(Store("zt", iadd(c((r0 + r) * tile), iadd(c0_, u)), val)),
+                            acc_t)
 
             for r0 in range(0, br, rg):
-                c0 = e.var("c0")
+                kc = e.var("kc")
                 with e.scope() as body:
-                    s_tile(r0, c0)
-                e.emit(For(c0, c(0), c(tile), nk, tuple(body)))
-            loop(br, lambda r: softmax_row(r, j0), "r")
+                    s_tile(r0, kc)
+                e.emit(For(kc, c(0), c(tile), nk, tuple(body)))
+            loop(br, lambda r: softmax_row(r, rb, j0), "r")
 
             # O = O·corr + P·V, a register tile of rg rows × nv value columns at a time
             def o_tile(r0: int, d0: Var) -> None:
+                orow = lambda r: iadd(imul(rb, dvp), c((r0 + r) * dvp))
+
                 def p(r: int, k: Expr) -> Expr:
                     x = Load("zt", iadd(c((r0 + r) * tile), k), acc_t)
                     return Cast(Cast(x, half_p), acc_t) if half_p is not None else x
 
                 _micro_gemm(e, rg, nv, tile, p,
                             lambda k, u: Load("vt", iadd(imul(k, dvp), iadd(d0, u)), acc_t),
-                            lambda r, u: Binary("mul", Load("ob", iadd(c((r0 + r) * dvp), iadd(d0, u)), acc_t),
-                                                Load("cb", c(r0 + r), acc_t), acc_t),
-                            lambda r, u, val: e.emit(Store("ob", iadd(c((r0 + r) * dvp), iadd(d0, u)), val)), acc_t)
+                            lambda r, u: Binary("mul", Load("ob", iadd(orow(r), iadd(d0, u)), acc_t),
+                                                Load("cb", iadd(rb, c(r0 + r)), acc_t), acc_t),
+                            lambda r, u, val: e.emit(Store("ob", iadd(orow(r), iadd(d0, u)), val)), acc_t)
 
             for r0 in range(0, br, rg):
                 d0 = e.var("d0")
@@ -212,51 +247,57 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                     o_tile(r0, d0)
                 e.emit(For(d0, c(0), c(dvp), nv, tuple(body)))
 
-        def softmax_row(r: Var, j0: Var) -> None:
-            """Row r's logits from its scores, the new running max, P = exp(z - max) in place, the
-            running sum, and the factor ``cb[r]`` that rescales its output row."""
-            i = row_of(r)
+        def softmax_row(r: Var, rb: Expr, j0: Var) -> None:
+            """Row ``rb + r``'s logits from its scores, the new running max, P = exp(z - max) in
+            place, the running sum, and the factor ``cb`` that rescales its output row."""
+            cr = e.bind(iadd(rb, r), "cr")  # the row in the chunk's arrays
+            i = row_of(cr)
             tmax = e.var("tmax", acc_t)
             e.emit(Assign(tmax, neg_inf))
             row = imul(r, tile)
 
-            def logit(jj: Var) -> None:
+            def logit(jj: Expr) -> Expr:
                 j = e.bind(iadd(j0, jj), "j")
                 jc = e.bind(imin(j, c(n_kv - 1)), "jc") if ragged_kv else j
                 e.regs[id(att.scores)] = e.bind(as_(Load("zt", iadd(row, jj), acc_t), att.scores.dtype), "sc")
-                zv = as_(e.value(att.logits, at(att.logits, bl, i, jc)), acc_t)
+                zv = e.bind(as_(e.value(att.logits, at(att.logits, bl, i, jc)), acc_t), "z")
                 e.regs.pop(id(att.scores))
                 if ragged_kv:
                     zv = e.bind(Select(Binary("lt", j, c(n_kv), DType.bool), zv, neg_inf, acc_t), "zv")
                 e.emit(Store("zt", iadd(row, jj), zv))
+                return zv
 
-            loop(tile, logit, "jj")
-            # the row's max and sum as vector-width partials: a sequential chain of 64 dependent
-            # max/add ops would cost as much as the tile's whole Q·Kᵀ
-            _lane_split(e, "red", lanes, tile, tmax, "max", acc_t, lambda jj: Load("zt", iadd(row, jj), acc_t))
-            m = e.bind(Load("mb", r, acc_t), "m")
+            # one pass for the logits and their max, one for P = exp(z - max) and its sum, each over
+            # vector-width lanes (``_lane_split``: the lanes become vector code, exp included — a
+            # scalar exp per score cost more than the tile's two products together)
+            _lane_split(e, "red", lanes, tile, tmax, "max", acc_t, logit)
+            m = e.bind(Load("mb", cr, acc_t), "m")
             m_new = e.bind(Binary("maximum", m, tmax, acc_t), "mn")
             # a row masked so far keeps m = -inf: shift by 0 then, so exp gives 0, not NaN
             sh = e.bind(Select(Binary("eq", m_new, neg_inf, DType.bool), zero, m_new, acc_t), "sh")
             corr = e.bind(Unary("exp", Binary("sub", m, sh, acc_t), acc_t), "corr")
-            loop(tile, lambda jj: e.emit(Store("zt", iadd(row, jj), Unary(
-                "exp", Binary("sub", Load("zt", iadd(row, jj), acc_t), sh, acc_t), acc_t))), "jj")
+
+            def prob(jj: Expr) -> Expr:
+                pv = e.bind(Unary("exp", Binary("sub", Load("zt", iadd(row, jj), acc_t), sh, acc_t), acc_t), "p")
+                e.emit(Store("zt", iadd(row, jj), pv))
+                return pv
+
             total = e.var("l", acc_t)
             e.emit(Assign(total, Const(0.0, acc_t)))
-            _lane_split(e, "red", lanes, tile, total, "sum", acc_t, lambda jj: Load("zt", iadd(row, jj), acc_t))
-            e.emit(Store("lb", r, Binary("add", Binary("mul", Load("lb", r, acc_t), corr, acc_t), total, acc_t)))
-            e.emit(Store("mb", r, m_new))
-            e.emit(Store("cb", r, corr))
+            _lane_split(e, "red", lanes, tile, total, "sum", acc_t, prob)
+            e.emit(Store("lb", cr, Binary("add", Binary("mul", Load("lb", cr, acc_t), corr, acc_t), total, acc_t)))
+            e.emit(Store("mb", cr, m_new))
+            e.emit(Store("cb", cr, corr))
 
-        def visible(j0: Var) -> Expr:
-            """Whether any row of the block sees a key of the tile (``att.masks``): a tile all
-            its rows hide adds exp(-inf) = 0 to every sum and is skipped — a decode step's keys
-            past its position, padding."""
+        def visible(j0: Var, first: Expr, count: Expr) -> Expr:
+            """Whether any of the chunk's rows ``first .. first+count`` sees a key of the tile
+            (``att.masks``): a tile all of them hide adds exp(-inf) = 0 to every sum and is skipped
+            — a decode step's keys past its position, padding, a causal mask's upper triangle."""
             seen = e.var("seen", DType.bool)
             e.emit(Assign(seen, Const(False, DType.bool)))
 
             def row(r: Var) -> None:
-                i = row_of(r)
+                i = row_of(iadd(first, r))
 
                 def key(jj: Var) -> None:
                     j = e.bind(iadd(j0, jj), "j")
@@ -271,24 +312,47 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
 
                 loop(tile, key, "jj")
 
-            loop(br, row, "r")
+            loop(0, row, "r", stop=count)
             return seen
+
+        def tile_body(j0: Var) -> None:
+            def blocks() -> None:
+                rbk = e.var("rb")
+                with e.scope() as body:
+                    rb = e.bind(imul(rbk, br), "rbr")
+                    with e.scope() as work:
+                        row_block(j0, rb)
+                    conds = []
+                    if att.causal:  # the row block's last query is c0 + rb + br - 1: keys from there on are masked
+                        conds.append(Binary("lt", j0, iadd(iadd(c0, rb), c(br)), DType.bool))
+                    if att.masks and per_chunk > 1:
+                        conds.append(visible(j0, rb, c(br)))
+                    if conds:
+                        cond = conds[0] if len(conds) == 1 else Binary("bitwise_and", conds[0], conds[1], DType.bool)
+                        e.emit(If(cond, tuple(work)))
+                    else:
+                        e.stmts.extend(work)
+                e.emit(For(rbk, c(0), nrb, 1, tuple(body)))
+
+            if att.masks:  # the whole chunk first: a tile no row sees is not even staged
+                cond = visible(j0, c(0), rows)
+                with e.scope() as work:
+                    stage(j0)
+                    blocks()
+                e.emit(If(cond, tuple(work)))
+            else:
+                stage(j0)
+                blocks()
 
         j0 = e.var("j0")
         with e.scope() as body:
-            if att.masks:
-                cond = visible(j0)
-                with e.scope() as work:
-                    kv_tile(j0)
-                e.emit(If(cond, tuple(work)))
-            else:
-                kv_tile(j0)
-        # causal: the block's last query is i0 + br - 1, so keys from i0 + br on are all masked
-        stop = e.bind(imin(iadd(i0, c(br)), c(n_kv)), "kend") if att.causal else c(n_kv)
+            tile_body(j0)
+        # causal: the chunk's last query is c0 + rows - 1, so keys from c0 + rows on are all masked
+        stop = e.bind(imin(iadd(c0, rows), c(n_kv)), "kend") if att.causal else c(n_kv)
         e.emit(For(j0, c(0), stop, tile, tuple(body)))
 
         def finish(r: Var) -> None:
-            i = e.bind(iadd(i0, r), "i")
+            i = e.bind(iadd(c0, r), "i")
             with e.scope() as store:
                 inv = e.bind(Binary("div", Const(1.0, acc_t), Load("lb", r, acc_t), acc_t), "inv")
                 if att.guarded:  # where(m == -inf, 0, .): a row the mask hides entirely
@@ -307,9 +371,10 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
             else:
                 e.stmts.extend(store)
 
-        loop(br, finish, "r")
+        loop(0, finish, "r", stop=rows)
 
-    blocks, per = _chunks(blocks_total, target, 2 * br * n_kv * (dim + dim_v))
-    _row_loop(e, blocks_total, per, row_block)
-    meta = {"mapping": "attention-cpu-flash", "rows": br, "kv_tile": tile, "skips_hidden_tiles": bool(att.masks)}
+    blocks, per = _chunks(blocks_total, target, 2 * rows_c * n_kv * (dim + dim_v))
+    _row_loop(e, blocks_total, per, chunk)
+    meta = {"mapping": "attention-cpu-flash", "rows": br, "chunk_rows": rows_c, "kv_tile": tile,
+            "skips_hidden_tiles": bool(att.masks)}
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=local, meta=meta)

@@ -22,7 +22,7 @@ import math
 
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
-from sextant.graph.ir import Graph, Node
+from sextant.graph.ir import Node
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.partition import Group, movement_of_param
 from sextant.schedule.target import TargetDesc
@@ -61,26 +61,3 @@ def pair_columns(group: Group, target: TargetDesc) -> int:
     from sextant.schedule.kernels import micro_tile, narrow_columns
 
     return narrow_columns(group.anchor.inputs[1].shape[-1], micro_tile(target)[1])
-
-
-def layout_pair_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
-    """Give every pair-dot matmul its weight in pairs (``Group.packed``); returns the graph with the
-    layout nodes appended (the program's graph names every buffer it holds) and the nodes to be
-    evaluated into constants."""
-    extra: list[Node] = []
-    packed: list[Node] = []
-    for g in groups:
-        if not uses_pair_dot(g, target):
-            continue
-        b = g.anchor.inputs[1]
-        p = pair_weight(b, pair_columns(g, target))
-        chain, x = [], p
-        while x is not b:
-            chain.append(x)
-            x = x.inputs[0]
-        extra += reversed(chain)
-        g.packed[id(b)] = p
-        packed.append(p)
-    if not extra:
-        return graph, []
-    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed

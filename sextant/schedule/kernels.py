@@ -38,6 +38,7 @@ from sextant.schedule.cpu_conv import conv_gemm_kernel, depthwise_kernel, is_dep
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.cpu_gemv import gemv_kernel, uses_gemv
 from sextant.schedule.cpu_pairs import pair_lanes, uses_pair_dot
+from sextant.schedule.cpu_panels import uses_panels
 from sextant.schedule.indexing import (
     Index,
     ValueEmitter,
@@ -406,7 +407,9 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     scheduler). 128 rows per block: the strip of B (k × ``nr``) is re-read from L2 by 16 row
     tiles, A's rows by both strips (measured: 64 rows ~5% slower).
 
-    B is **packed** when its row stride is a multiple of 4 KiB (``n`` = 1024, 3072, ...): those
+    A constant B (a weight) is laid out in panels at compile time (``cpu_panels``): each strip
+    contiguous over K, read sequentially, no copy at run time. A B computed per call is read in
+    place, and **packed** when its row stride is a multiple of 4 KiB (``n`` = 1024, 3072, ...): those
     rows all map to the same few L1/L2 sets, so the strip did not stay in L2 and 768→3072 ran at
     ~60% of 768→768. The block's first row tile of a strip copies what it reads into a local
     ``[strip][k][nr]`` buffer while it computes (no separate packing pass, whose exposed memory
@@ -457,6 +460,20 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
                     MATMUL_BLOCK_N, n_store=n, k_block=k_block, pairs=pairs, pair_lanes=pair_lanes(target, nr))
         kernel = gemm_kernel(e, spec, name, params, BID)
         kernel.meta.update(mapping="cpu-pair-dot", weight="[" + ", ".join(map(str, p.shape)) + "] in pairs of K")
+        return kernel
+    if uses_panels(group, target):  # B a weight laid out strip by strip at compile time (cpu_panels)
+        p = group.packed[id(b)]
+        strips = p.shape[-3]
+        panel = e.buffers[id(p)]
+
+        def col(bidx: Index, kk: Expr, j0: Expr, j: Expr, strip: Expr | None) -> Expr:
+            assert strip is not None, "whole strips only: the panels are padded"
+            return Load(panel, linearize((*bidx, strip, kk, j), p.shape), p.dtype)
+
+        spec = Gemm(tuple(batch), m, strips * nr, k, acc_t, rows, col, epilogue, mr, nr, MATMUL_BLOCK_M_PACKED,
+                    MATMUL_BLOCK_N, n_store=n, k_block=k_block)
+        kernel = gemm_kernel(e, spec, name, params, BID)
+        kernel.meta.update(weight="[" + ", ".join(map(str, p.shape)) + "] in panels")
         return kernel
     spec = Gemm(tuple(batch), m, n, k, acc_t, rows, lambda bidx, kk, j0, j, _: e.value(b, (*bidx, kk, iadd(j0, j))),
                 epilogue,

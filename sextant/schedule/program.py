@@ -29,7 +29,8 @@ from sextant.schedule import memory
 from sextant.schedule.attention import attention_kernel, attention_refusal
 from sextant.schedule.cpu_conv import explicit_padding, layout_conv_weights, pointwise_as_matmul
 from sextant.schedule.cpu_gemv import uses_gemv
-from sextant.schedule.cpu_pairs import layout_pair_weights, uses_pair_dot
+from sextant.schedule.cpu_pairs import uses_pair_dot
+from sextant.schedule.cpu_panels import layout_gemm_weights, uses_panels
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
 from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers, micro_tile
 from sextant.schedule.overlap import overlap_collectives
@@ -280,10 +281,12 @@ def prepack_weights(graph: Graph, groups: list[Group], target: TargetDesc | None
     are laid out row-major once, at compile time, so the kernel reads B contiguously along its
     vectorised dimension. Returns the operand nodes that become prepacked constant buffers.
     Not those of a CPU GEMV (``cpu_gemv``: a decode step's Linear reads W in place) nor of a bf16
-    GEMM on the pair dot product (``cpu_pairs`` lays its weight out in pairs of K instead)."""
+    GEMM on the pair dot product or with a constant weight (``cpu_panels`` lays those out in pairs of
+    K or in panels instead)."""
     packed = []
     for g in groups:
-        if g.kind == "matmul" and not (target is not None and (uses_gemv(g, target) or uses_pair_dot(g, target))):
+        if g.kind == "matmul" and not (target is not None and (uses_gemv(g, target) or uses_pair_dot(g, target)
+                                                               or uses_panels(g, target))):
             b = g.anchor.inputs[1]
             if b.op != "param" and movement_of_param(b) and isinstance(b.type.numel, int):  # not a broadcast to a size
                 packed.append(b)
@@ -329,7 +332,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     packed = prepack_weights(graph, groups, target)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
-        graph, pair_weights = layout_pair_weights(graph, groups, target)
+        graph, pair_weights = layout_gemm_weights(graph, groups, target)
         packed += conv_weights + pair_weights
     stored = {id(o) for g in groups for o in g.outputs} | {id(b) for b in packed}
     constants: dict[int, torch.Tensor] = {}

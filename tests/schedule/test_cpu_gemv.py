@@ -77,7 +77,7 @@ def test_gemv_matches_reference(vector_bytes: int, batch: tuple[int, ...], m: in
 
 def test_gemv_only_for_few_rows_and_cpu() -> None:
     """Up to ``GEMV_MAX_ROWS`` rows a Linear is a GEMV and its weight is not prepacked; a prefill
-    (128 rows) keeps the GEMM and its prepacked ``[K, N]`` weight; GPUs keep their mappings."""
+    (128 rows) keeps the GEMM and its weight laid out in panels; GPUs keep their mappings."""
     cpu = cpu_target(cores=2)
     for m, gemv in ((1, True), (4, True), (GEMV_MAX_ROWS, True), (GEMV_MAX_ROWS + 1, False), (128, False)):
         graph = _linear_graph((), m, 96, 80, DType.f32, bias=True)
@@ -86,7 +86,8 @@ def test_gemv_only_for_few_rows_and_cpu() -> None:
         assert uses_gemv(group, cpu) == gemv
         assert bool(_gemv_kernels(program)) == gemv
         assert not uses_gemv(group, gpu_target("sm_90"))
-        assert bool(prepack_weights(program.graph, program.groups, cpu)) != gemv
+        assert not prepack_weights(program.graph, program.groups, cpu)  # row-major copies: GPUs only now
+        assert bool(group.packed) != gemv  # a GEMM's weight laid out in panels (cpu_panels), a GEMV's read in place
         assert len(prepack_weights(program.graph, program.groups, gpu_target("sm_90"))) == 1
         packed = [b for b in program.buffers if b.kind == "param" and b.node.op != "param"]
         assert bool(packed) != gemv
