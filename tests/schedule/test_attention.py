@@ -6,6 +6,7 @@ sizes, with masks, fully masked rows and grouped-query heads."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -280,3 +281,29 @@ def test_causal_mask_tables_skip_the_masked_key_tiles(target: str, name: str) ->
     if target == "cuda-sim":  # 4 batch-heads x 5 query tiles x (causal: 2..10, else 10) key tiles of 32
         (counted,) = [c for n, c in count_program(cm.stages["program"], (q, k, v)).items() if "attention" in n]
         assert counted.mma_instructions == 4 * (30 if causal else 50) * 32, counted.summary()
+
+
+@pytest.mark.parametrize(("heads", "n_q", "causal"), [(1, 300, False), (1, 300, True), (3, 611, False), (12, 40, True)])
+def test_cpu_attention_chunks_of_query_rows(heads: int, n_q: int, causal: bool) -> None:
+    """A CPU block owns a chunk of a head's query rows and stages each K/V tile once for all of
+    them: chunks of at most 256 rows, smaller when there are few heads (every core two blocks at
+    least), the last one ragged; masked rows, ragged key tiles (ViT-like 197 keys) and the
+    causal diagonal per row block inside a chunk all match eager."""
+    from sextant.schedule.cpu_attention import CHUNK_ROWS
+
+    g = torch.Generator().manual_seed(n_q)
+    n_kv = n_q if causal else 197
+    q = torch.randn(2, heads, n_q, 32, generator=g)
+    k, v = torch.randn(2, heads, n_kv, 32, generator=g), torch.randn(2, heads, n_kv, 32, generator=g)
+    mask = torch.rand(2, 1, n_q, n_kv, generator=g) > 0.3
+    mask[1, 0, 7] = False  # a row that sees no key: 0 there, as eager
+    model, args = (Sdpa(is_causal=True), (q, k, v)) if causal else (Sdpa(), (q, k, v, mask))
+    cm = sextant.compile(model, args, target="cpu", cache=False)
+    (kernel,) = [kn for kn in cm.stages["program"].kernels.values() if kn.meta.get("mapping") == "attention-cpu-flash"]
+    rows, chunk = kernel.meta["rows"], kernel.meta["chunk_rows"]
+    assert rows <= chunk <= CHUNK_ROWS and chunk % rows == 0
+    if 2 * heads >= 2 * (os.cpu_count() or 1):  # enough heads: a chunk is the whole head (in whole row blocks)
+        assert chunk == -(-n_q // rows) * rows
+    else:
+        assert chunk < n_q
+    torch.testing.assert_close(cm(*args), model(*args), rtol=TOL[torch.float32], atol=TOL[torch.float32])
