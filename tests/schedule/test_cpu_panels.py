@@ -17,6 +17,8 @@ from sextant.schedule.cpu_panels import panel_weight
 from sextant.schedule.kernels import micro_tile
 from sextant.schedule.target import cpu_target
 
+from .test_cpu_pairs import BatchedWeight
+
 
 class Mlp(nn.Module):
     def __init__(self, k: int, hidden: int, n: int) -> None:
@@ -25,17 +27,6 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(x))) + x[..., : self.down.out_features]
-
-
-class BatchedWeight(nn.Module):
-    """``x @ W`` with a weight per batch element (a param itself, not a Linear's transposed one)."""
-
-    def __init__(self, b: int, k: int, n: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(b, k, n) / k**0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x @ self.w)
 
 
 def panel_weights(cm) -> list[str]:

@@ -17,6 +17,23 @@ def test_fma_peak_is_measured():
     assert "GFLOP/s on one core" in str(peak)
 
 
+@pytest.mark.parametrize(("cpu", "lanes"), [("znver3", 8), ("haswell", 8), ("skylake-avx512", 16)])
+def test_fma_peak_loop_stays_in_registers(cpu, lanes):
+    """The peak loop compiled for CPUs of both vector widths (whatever the host): one FMA per chain
+    and nothing on the stack. 16 chains on AVX2 (16 registers) spilled and measured half the peak."""
+    import llvmlite.binding as llvm
+
+    from sextant.tools.fma_peak import _ir, chains
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, opt=3)
+    asm = tm.emit_assembly(llvm.parse_assembly(_ir(lanes)))
+    loop = next(blk.split("\n\tj")[0] for blk in asm.split("\n.LBB") if "vfmadd" in blk)
+    assert loop.count("vfmadd") == chains(lanes)
+    assert "rsp" not in loop, loop
+
+
 def test_profile_of_a_small_resnet():
     row = real_bench.run_model("tiny", iters=1, inductor=False)
     assert row["rel_err"] < 1e-4
