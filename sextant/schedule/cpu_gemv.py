@@ -9,7 +9,7 @@ page per k for the LM head — and computes ``mr`` rows where one exists. Here i
 
 * **No prepacked copy**: W is read where the module keeps it, row by row along K, so a step
   streams each weight once, contiguously, and the program holds no second copy of it
-  (``program.prepack_weights`` skips the operands this mapping takes).
+  (``cpu_panels`` does not lay out the operands this mapping takes).
 * **Parallel over N**: a step takes ``R`` consecutive rows of W (:func:`gemv_tile`: 16 or 8); blocks
   take runs of steps, spread over the cores.
 * **Dot products along K**: per step, ``acc[p, r] += A[p, k:k+L]·W[n0+r, k:k+L]`` for the ``M`` rows

@@ -402,10 +402,10 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     A block owns a ``MATMUL_BLOCK_M`` × ``MATMUL_BLOCK_N`` tile of C and walks it strip by strip
     of ``nr`` columns, each strip top to bottom in ``mr`` × ``nr`` micro-tiles (:func:`micro_tile`):
     the accumulators are a local array with constant indices only, which LLVM keeps in vector
-    registers; per k, ``mr`` values of A are broadcast (folded into the FMA's memory operand)
-    against ``nr`` contiguous values of B (a weight ``permute`` is prepacked row-major by the
-    scheduler). 128 rows per block: the strip of B (k × ``nr``) is re-read from L2 by 16 row
-    tiles, A's rows by both strips (measured: 64 rows ~5% slower).
+    registers; per k, row by row, one value of A is broadcast against ``nr`` contiguous values of
+    B (a weight is laid out in panels by the scheduler). 128 rows per block: the strip of B
+    (k × ``nr``) is re-read from L2 by 16 row tiles, A's rows by both strips (measured: 64 rows
+    ~5% slower).
 
     A constant B (a weight) is laid out in panels at compile time (``cpu_panels``): each strip
     contiguous over K, read sequentially, no copy at run time. A B computed per call is read in

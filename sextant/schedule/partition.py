@@ -80,7 +80,7 @@ def is_buffer(n: Node) -> bool:
 
 def movement_of_param(n: Node) -> bool:
     """``n`` is a param re-indexed by single-operand movement ops: a value the compiler can lay out
-    at compile time (a Linear layer's ``permute(W)``, prepacked or put in pairs of K)."""
+    at compile time (a Linear layer's ``permute(W)``, laid out in panels or in pairs of K)."""
     while n.op in ("reshape", "permute", "expand", "slice", "pad"):
         n = n.inputs[0]
     return n.op == "param"
@@ -106,7 +106,7 @@ def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_input
     reshape of a stored value reads it contiguously, and the value's own shape is the one its
     kernel computes best (a 1×1 convolution's concat of upsampled maps, written flattened to
     ``[N, C, positions]``, lost the row structure of its bilinear indexing: 15× slower). A
-    weight's is prepacked at compile time instead (``program.prepack_weights``).
+    weight's is laid out at compile time instead (``cpu_panels``).
 
     ``fuse_attention``: each ``softmax(f(Q·Kᵀ))·V`` chain (``attention_match``) is one
     ``attention`` group, its score and probability matrices never stored — unless
