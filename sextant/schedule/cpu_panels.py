@@ -11,10 +11,10 @@ A weight is a constant, so the copy can be made once, when the program is compil
 ``[*batch, N/nr, K, nr]`` — each strip contiguous, zero-padded to whole strips — and the kernel
 streams it sequentially with no copy at run time and no edge path for a ragged last strip (the
 padded columns are computed and not stored). Measured on 2 Zen 3 cores (AVX2, interleaved
-best-of-32, GFLOP/s; MKL on the same shape beside it): 256×768→2304 57 → 101 (MKL 121),
-128×3072→768 98 → 125 (130), 256×3072→768 83 → 114 (123), 128×768→768 103 → 109 (122) — those
-strides are not multiples of 4 KiB, so they were read in place; the strides that are (768→3072)
-were already copied per block and run the same.
+best-of-32, GFLOP/s, panels off → on; MKL on the same shape beside it): 256×768→2304 93 → 141
+(MKL 117), 128×3072→768 80 → 108 (93), 256×3072→768 90 → 139 (121), 128×768→768 77 → 99 (98),
+GPT-2's LM head 256×768→50257 67 → 109 (66). Without panels the strides that are multiples of
+4 KiB (768→3072) were copied per block at run time, the others read in place.
 
 Taken for f32 and f16 (widened) weights — a param, or a movement of one, with static sizes — of
 CPU matmuls that are neither a GEMV (``cpu_gemv`` reads W in place) nor on the bf16 pair dot
