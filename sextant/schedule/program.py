@@ -332,8 +332,8 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     packed = prepack_weights(graph, groups, target)
     if not target.is_gpu:
         graph, conv_weights = layout_conv_weights(graph, groups, target)
-        graph, pair_weights = layout_gemm_weights(graph, groups, target)
-        packed += conv_weights + pair_weights
+        graph, gemm_weights = layout_gemm_weights(graph, groups, target)
+        packed += conv_weights + gemm_weights
     stored = {id(o) for g in groups for o in g.outputs} | {id(b) for b in packed}
     constants: dict[int, torch.Tensor] = {}
     buffers: list[BufferInfo] = []
