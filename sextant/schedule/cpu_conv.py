@@ -45,26 +45,12 @@ from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, If, Kernel, Load, Select, Store, Var
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imod, imul, strides
-from sextant.schedule.partition import Group
+from sextant.schedule.partition import Group, params_only
 from sextant.schedule.target import TargetDesc
 
 MIN_GROUP_COLUMNS = 2  # output channels per group below which (depthwise) the GEMM is not used
 CONV_BLOCK_M, CONV_BLOCK_N = 128, 64  # C tile per block, as for matmul
 MAX_UNROLLED_TAPS = 9  # a kernel window of up to this many taps is unrolled in the k loop (see conv_gemm_kernel)
-
-
-def _constant(n: Node) -> bool:
-    """Whether ``n`` depends on weights only (so its layout can be changed at compile time)."""
-    stack, seen = [n], set()
-    while stack:
-        x = stack.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
-        if x.op == "input":
-            return False
-        stack.extend(x.inputs)
-    return True
 
 
 def conv_columns(cv: Node, target: TargetDesc) -> int:
@@ -232,7 +218,7 @@ def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
         chain.reverse()
         extra += chain
         g.packed[id(w)] = p
-        if _constant(w):
+        if params_only(w):
             packed.append(p)
         else:
             groups.insert(groups.index(g), Group("elementwise", p, members=list(chain), outputs=[p]))

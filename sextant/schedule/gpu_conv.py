@@ -12,6 +12,9 @@ the im2col matrix: ``X[k, m]`` is the input at channel ``g·Cin_g + ci`` and spa
 ``o·stride − padding + kk·dilation``, or 0 in the padding. It is read straight from the input when
 the tile is staged into shared memory, so it costs no memory and no extra kernel.
 
+On ``sm_90a`` an f16/bf16 convolution runs on warpgroup MMAs instead (``gpu_wgmma_conv``: the
+weights by TMA, the im2col fragment gathered into registers) when its weight allows.
+
 Tiles, micro-tiles and barriers are those of the matmul (:class:`~sextant.schedule.gpu_kernels.GemmTiles`);
 only the operand indexing and the output's NCHW store differ.
 """
@@ -25,6 +28,7 @@ from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Cast, Expr, Kernel, Load
 from sextant.kernel.sizes import capacity, with_grid
 from sextant.schedule.gpu_kernels import (
+    CONV_GEMM_MIN_CHANNELS,
     MM_MICRO_M,
     MM_MICRO_N,
     MM_THREADS_X,
@@ -40,15 +44,11 @@ from sextant.schedule.gpu_kernels import (
     gpu_direct_conv_kernel,
 )
 from sextant.schedule.gpu_mma import TC_DTYPES, Operand, choose_tile, emit_mma_gemm, sm_version
+from sextant.schedule.gpu_wgmma_conv import gpu_wgmma_conv_kernel, uses_wgmma_conv
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul, may_be_nonzero
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc
-
-# Below this many output channels per group the 64-row tiles are mostly empty: the direct mapping
-# (one thread per output) is used instead. At 4, a 256-thread block already computes 64 positions
-# × 4 channels = 256 outputs, as many as a direct block, and reuses each loaded input 4 times.
-CONV_GEMM_MIN_CHANNELS = 4
 
 
 def conv_uses_tensor_cores(group: Group, target: TargetDesc) -> bool:
@@ -98,6 +98,10 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     cout_g, cin_g, ksp = w.shape[0] // groups, w.shape[1], tuple(w.shape[2:])
     if cout_g < CONV_GEMM_MIN_CHANNELS:
         return gpu_direct_conv_kernel(group, stored, target, name)
+    if uses_wgmma_conv(group, target):
+        hopper = gpu_wgmma_conv_kernel(group, stored, target, name)
+        if hopper is not None:
+            return hopper
     stride, padding, dilation = (cv.attr(a) for a in ("stride", "padding", "dilation"))
     nb, osp, isp = cv.shape[0], tuple(cv.shape[2:]), tuple(x.shape[2:])
     positions, k = nb * math.prod(osp), cin_g * math.prod(ksp)

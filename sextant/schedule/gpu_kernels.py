@@ -589,6 +589,12 @@ def gpu_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: 
 
 
 # -- convolution ----------------------------------------------------------------------------------------
+# Below this many output channels per group the 64-row tiles are mostly empty: the direct mapping
+# (one thread per output) is used instead. At 4, a 256-thread block already computes 64 positions
+# × 4 channels = 256 outputs, as many as a direct block, and reuses each loaded input 4 times.
+CONV_GEMM_MIN_CHANNELS = 4
+
+
 def gpu_direct_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """Direct convolution, one thread per output element: thread ``i = bid.x * 256 + tid.x``
     computes output element ``i`` (consecutive threads on consecutive output columns, so output

@@ -223,7 +223,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
                       unroll=True)
 
     if tile.producer:
-        _specialized(e, tile, k_tiles, first, wg, issue, mmas, zero_acc, stores)
+        _specialized(e, tile, k_tiles, first, wg, issue, mmas, lambda _cw: zero_acc(), stores)
     else:
         zero_acc()
         _mainloop(e, tile, k_tiles, first, wg, issue, mmas)
@@ -240,8 +240,39 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     return with_grid(kernel, grid)
 
 
+@dataclass(frozen=True)
+class RegisterA:
+    """A fed from registers the consumers load themselves (wgmma's ``RegMatrix``; the Hopper
+    convolution's im2col fragment): ``prefetch(kt, cw)`` loads tile ``kt``'s fragment into the
+    spare registers while the previous tile's wgmmas run, ``swap()`` makes them the ones the next
+    wgmmas read. A wgmma reads its register A while it runs, so each K step waits for all its
+    groups (not one behind) before the swap, and releases its own stage."""
+
+    prefetch: Callable[[Expr, Expr], None]
+    swap: Callable[[], None]
+
+
+def _k_step(e: ValueEmitter, S: int, kt: Var, cw: Expr, mmas: Callable[[Expr, Expr], None],
+            reg_a: RegisterA | None) -> int:
+    """One consumer K step on stage ``kt % S``: wait for its bytes, multiply, commit, wait until
+    ``lag`` groups are in flight (1 with A in shared memory, 0 with A in registers, whose next
+    fragment is loaded meanwhile); returns ``lag``: tile ``kt - lag``'s stage is free."""
+    st = e.bind(imod(kt, S), "st")
+    e.emit(MbarrierWait("bar", st, imod(idiv(kt, S), 2)))
+    e.emit(WgmmaFence())
+    mmas(st, cw)
+    e.emit(WgmmaCommit())
+    if reg_a is None:
+        e.emit(WgmmaWait(1, ("acc",)))
+        return 1
+    reg_a.prefetch(iadd(kt, c(1)), cw)
+    e.emit(WgmmaWait(0, ("acc",)))
+    reg_a.swap()
+    return 0
+
+
 def _mainloop(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr, issue: Callable[[Expr], list],
-              mmas: Callable[[Expr, Expr], None]) -> None:
+              mmas: Callable[[Expr, Expr], None], reg_a: RegisterA | None = None) -> None:
     """Every warpgroup computes; thread 0 also issues the copies (one mbarrier per stage), and a
     block barrier after each K step says the stage one back is free to refill."""
     S = tile.stages
@@ -251,12 +282,7 @@ def _mainloop(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr
     e.emit(If(first, tuple(prologue)))
 
     def k_tile(kt: Var) -> None:
-        st = e.bind(imod(kt, S), "st")
-        e.emit(MbarrierWait("bar", st, imod(idiv(kt, S), 2)))
-        e.emit(WgmmaFence())
-        mmas(st, wg)
-        e.emit(WgmmaCommit())
-        e.emit(WgmmaWait(1, ("acc",)))
+        _k_step(e, S, kt, wg, mmas, reg_a)
         e.emit(Barrier())  # every warpgroup is done with stage kt-1: refill it with tile kt+S-1
         nxt = iadd(kt, c(S - 1))
         cond = _and([first, _bool("lt", nxt, c(k_tiles))])
@@ -268,8 +294,8 @@ def _mainloop(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr
 
 
 def _specialized(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr, issue: Callable[[Expr], list],
-                 mmas: Callable[[Expr, Expr], None], zero_acc: Callable[[], None],
-                 stores: Callable[[Expr], None]) -> None:
+                 mmas: Callable[[Expr, Expr], None], start: Callable[[Expr], None],
+                 stores: Callable[[Expr], None], reg_a: RegisterA | None = None) -> None:
     """Warpgroup 0 produces, the others consume, each role its own loop (so the producer holds no
     accumulators and gives its registers up); no block barrier after the start. Stage ``s`` has a
     *full* barrier ``bar[s]`` (the producer's arrival announcing the bytes, then the copies) and an
@@ -307,16 +333,11 @@ def _specialized(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: E
     with e.scope() as consume:
         e.emit(SetMaxNReg(CONSUMER_REGS, True))
         cw = e.bind(Binary("sub", wg, c(1), DType.i32), "cw")  # consumer cw owns rows 64·cw … of the tile
-        zero_acc()
+        start(cw)
         with e.scope() as body:
-            st = e.bind(imod(kt, S), "st")
-            e.emit(MbarrierWait("bar", st, imod(idiv(kt, S), 2)))
-            e.emit(WgmmaFence())
-            mmas(st, cw)
-            e.emit(WgmmaCommit())
-            e.emit(WgmmaWait(1, ("acc",)))  # tile kt-1's products are done: release its stage
-            release = MbarrierArrive("bar", iadd(imod(iadd(kt, c(S - 1)), S), c(S)))
-            e.emit(If(_bool("ge", kt, c(1)), (release,)))
+            lag = _k_step(e, S, kt, cw, mmas, reg_a)  # tile kt-lag's products are done: release its stage
+            release = MbarrierArrive("bar", iadd(imod(iadd(kt, c(S - lag)), S), c(S)))
+            e.emit(If(_bool("ge", kt, c(lag)), (release,)) if lag else release)
         e.emit(For(kt, c(0), c(k_tiles), 1, tuple(body)))
         e.emit(WgmmaWait(0, ("acc",)))
         stores(cw)

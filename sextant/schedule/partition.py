@@ -86,6 +86,20 @@ def movement_of_param(n: Node) -> bool:
     return n.op == "param"
 
 
+def params_only(n: Node) -> bool:
+    """Whether ``n`` depends on params alone (no input): its layout can be changed at compile time."""
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.op == "input":
+            return False
+        stack.extend(x.inputs)
+    return True
+
+
 def partition(graph: Graph, work: WorkCounter | None = None, *, store_conv_inputs: bool = False,
               contiguous_rhs: bool = False, fuse_attention: bool = True,
               attention_refusal: Callable[[Attention], str | None] | None = None) -> list[Group]:

@@ -32,6 +32,7 @@ from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import uses_pair_dot
 from sextant.schedule.cpu_panels import layout_gemm_weights, uses_panels
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
+from sextant.schedule.gpu_wgmma_conv import layout_hopper_conv_weights
 from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers, micro_tile
 from sextant.schedule.overlap import overlap_collectives
 from sextant.schedule.partition import Group, movement_of_param, partition
@@ -334,6 +335,9 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
         graph, conv_weights = layout_conv_weights(graph, groups, target)
         graph, gemm_weights = layout_gemm_weights(graph, groups, target)
         packed += conv_weights + gemm_weights
+    else:
+        graph, conv_weights = layout_hopper_conv_weights(graph, groups, target)
+        packed += conv_weights
     stored = {id(o) for g in groups for o in g.outputs} | {id(b) for b in packed}
     constants: dict[int, torch.Tensor] = {}
     buffers: list[BufferInfo] = []

@@ -937,6 +937,34 @@ def snippet_hopper_attention_kernel() -> str:
     return "\n".join([*out, "    }", "    ..."])
 
 
+def _hopper_conv():  # an fp16 3x3 conv + ReLU (2 x 16 x 8 x 8 -> 32 channels) for sm_90a, through cuda-sim
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU()).half().eval()
+    return sextant.compile(model, (torch.randn(2, 16, 8, 8).half(),), target="cuda-sim", arch="sm_90a", cache=False)
+
+
+def snippet_hopper_conv_kernel() -> str:
+    """The Hopper convolution's consumer: the rows decoded once, the first fragment gathered, then
+    the K loop — wgmmas on the register fragment, the next one gathered while they run."""
+    from sextant.kernel.printer import print_kernel
+
+    lines = print_kernel(next(iter(_hopper_conv().stages["program"].kernels.values()))).splitlines()
+    consumer = next(i for i, ln in enumerate(lines) if ln.strip() == "} else {")
+    first = next(i for i in range(consumer, len(lines)) if lines[i].strip() == "xa[0] = (f16)0.0")
+    loop = next(i for i in range(first, len(lines)) if lines[i].strip().startswith("for (kt"))
+    nxt = next(i for i in range(loop, len(lines)) if lines[i].strip().startswith("if (kt"))
+    gathered = next(i for i in range(nxt, len(lines)) if lines[i].strip() == "xn[0] = (f16)0.0")
+    wait = next(i for i in range(gathered, len(lines)) if lines[i].strip() == "wgmma_wait(0, acc)")
+    end = next(i for i in range(wait, len(lines)) if lines[i] == "    }")
+    return "\n".join([*lines[:3], "  ...", *lines[consumer:first + 2], "    ... (31 more elements)",
+                      *lines[loop:gathered + 2], "        ... (31 more elements)", *lines[wait - 1:end + 1], "    ..."])
+
+
+def snippet_hopper_conv_ptxas() -> str:
+    res = _hopper_conv().stages["ptxas"]
+    return "\n".join(ln for ln in res.log.strip().splitlines() if "Compile time" not in ln and "C7519" not in ln)
+
+
 def snippet_hopper_attention_ptxas() -> str:
     res = _hopper_attention().stages["ptxas"]
     name = next(n for n in res.kernels if n.startswith("attention"))
@@ -954,6 +982,8 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "hopper-kernel": snippet_hopper_kernel,
     "hopper-attention-kernel": snippet_hopper_attention_kernel,
     "hopper-attention-ptxas": snippet_hopper_attention_ptxas,
+    "hopper-conv-kernel": snippet_hopper_conv_kernel,
+    "hopper-conv-ptxas": snippet_hopper_conv_ptxas,
     "hopper-ptx": snippet_hopper_ptx,
     "hopper-ptxas": snippet_hopper_ptxas,
     "bf16-pair-kernel": snippet_bf16_pair_kernel,

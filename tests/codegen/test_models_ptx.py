@@ -50,10 +50,13 @@ def half_programs_sm90a() -> dict:
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_half_models_on_hopper_kernels_assemble_for_sm90a(half_programs_sm90a: dict, name: str) -> None:
     """Each example model in f16 for sm_90a: every attention on the warp-specialised wgmma kernel,
-    every kernel assembled without spills, serialised wgmmas (C7512) or ignored setmaxnreg (C7508)."""
+    every convolution on the wgmma implicit GEMM (the first layer's weight padded), every kernel
+    assembled without spills, serialised wgmmas (C7512) or ignored setmaxnreg (C7508)."""
     kernels = list(half_programs_sm90a[name].kernels.values())
     mappings = [k.meta.get("mapping", "") for k in kernels]
-    assert "flash-attention-tensor-core" not in mappings
+    assert "flash-attention-tensor-core" not in mappings and "tensor-core-implicit-gemm" not in mappings
+    if name == "cnn":
+        assert mappings.count("wgmma-tma-implicit-gemm") == 2
     if name in ("mlp", "transformer-block", "gpt2"):
         assert "wgmma-tma" in mappings
     result = assemble(emit_ptx(kernels, arch="sm_90a").ptx, "sm_90a")
