@@ -72,7 +72,7 @@ from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, im
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
-from sextant.schedule.tma import SWIZZLE, TmaOperand, tma_operand
+from sextant.schedule.tma import SWIZZLE, HeadsOperand, TmaOperand, heads_operand, tma_operand
 
 BK = 64  # one 128-byte swizzled row of f16/bf16
 ATOM = 1024  # bytes: 8 rows of 128
@@ -115,19 +115,26 @@ def is_sm90a(target: TargetDesc) -> bool:
     return target.is_gpu and sm_version(target) == 90 and target.name.endswith("a")
 
 
-def wgmma_sources(group: Group, buffers: dict[int, str]) -> tuple[TmaOperand, TmaOperand, bool] | None:
+def wgmma_sources(group: Group, buffers: dict[int, str]) -> tuple[TmaOperand | HeadsOperand, TmaOperand, bool] | None:
     """A (K-major) and B as TMA sources, and whether B is K-major (``Wᵀ`` of a stored ``N × K``
     weight; else stored ``K × N``, read MN-major) — or None. Batched operands carry their batch
-    dims as outer dims of the tensor map; one with none (a weight shared by the batch) is fine."""
+    dims as outer dims of the tensor map; one with none (a weight shared by the batch) is fine.
+    An A that merges attention heads (``tma.HeadsOperand``) is read head by head, B then a weight."""
     mm = group.anchor
     a, b = mm.inputs
     dt = a.dtype
     batch = math.prod(int(d) for d in mm.shape[:-2])
-    sa = tma_operand(a, buffers, dt, -2, -1)
+    sa: TmaOperand | HeadsOperand | None = tma_operand(a, buffers, dt, -2, -1)
+    if sa is None:
+        sa = heads_operand(a, buffers, dt)
     sb, k_major = tma_operand(b, buffers, dt, -1, -2), True
     if sb is None:
         sb, k_major = tma_operand(b, buffers, dt, -2, -1), False
-    if sa is None or sb is None or any(op.lead and math.prod(op.lead) != batch for op in (sa, sb)):
+    if sa is None or sb is None:
+        return None
+    if isinstance(sa, HeadsOperand):
+        return (sa, sb, k_major) if not sb.lead else None
+    if any(op.lead and math.prod(op.lead) != batch for op in (sa, sb)):
         return None
     return sa, sb, k_major
 
@@ -137,6 +144,18 @@ def uses_wgmma(group: Group, target: TargetDesc) -> bool:
     mm = group.anchor
     return (is_sm90a(target) and half_product(mm, target) and mm.inputs[0].dtype in TC_DTYPES
             and not is_symbolic(mm.shape) and not any(is_symbolic(x.shape) for x in mm.inputs))
+
+
+def reads_weight_in_place(group: Group, target: TargetDesc) -> bool:
+    """A Linear layer's ``permute(W)`` this GEMM reads as ``Wᵀ`` (K-major) where the module keeps
+    it: W's rows are TMA-addressable (``K`` · 2 bytes a multiple of 16). A row-major ``K × N``
+    copy (``program.prepack_weights``) would only add a constraint — ``N`` · 2 bytes a multiple of
+    16, which a 10-class head fails."""
+    mm = group.anchor
+    b = mm.inputs[1]
+    return (uses_wgmma(group, target) and b.op == "permute" and b.inputs[0].op == "param"
+            and tuple(b.attr("perm"))[-2:] == (len(b.shape) - 1, len(b.shape) - 2)
+            and int(b.shape[-2]) * b.dtype.itemsize % 16 == 0)
 
 
 def choose_wg_tile(m: int, n: int) -> WgTile:
@@ -159,6 +178,10 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     if sources is None:
         return None
     src_a, src_b, b_k_major = sources
+    flat = False  # C's rows are (b, n) flattened: row tiles run per b (a HeadsOperand A)
+    if isinstance(src_a, HeadsOperand):
+        flat = mm.type.rank == 2 and src_a.batch is not None
+        m, batch = src_a.n, src_a.batch[0] if src_a.batch else batch
     tile = choose_wg_tile(m, n)
     S, bm_, bn_ = tile.stages, tile.bm, tile.bn
     size = dt.itemsize
@@ -171,13 +194,18 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     wg = e.bind(idiv(t, WARPGROUP), "wg")
     first = _bool("eq", t, c(0))
     row_elems = SWIZZLE // size  # elements in one swizzled 128-byte row
+    a_width = src_a.width if isinstance(src_a, HeadsOperand) else row_elems  # A's columns per box
 
     def issue(kt: Expr) -> list:
         """Thread 0's part: announce the stage's bytes, copy tile ``kt`` of A and B into it (B stored
         K×N: ``BN / 64`` boxes of 64 K-rows × 64 columns, one after the other)."""
         st = imod(kt, S)
         k0 = imul(kt, BK)
-        loads = [MbarrierArrive("bar", st, tx), src_a.box("sA", imul(st, a_stage), bz, i0, k0, bm_, "bar", st)]
+        loads: list = [MbarrierArrive("bar", st, tx)]
+        if isinstance(src_a, HeadsOperand):
+            loads += src_a.boxes("sA", imul(st, a_stage), bz, i0, k0, bm_, BK, "bar", st, size)
+        else:
+            loads.append(src_a.box("sA", imul(st, a_stage), bz, i0, k0, bm_, "bar", st))
         if b_k_major:
             loads.append(src_b.box("sB", imul(st, b_stage), bz, j0, k0, bn_, "bar", st))
         else:
@@ -187,18 +215,20 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
 
     def mmas(st: Expr, cw: Expr) -> None:
         """Consumer warpgroup ``cw``'s ``BK/16`` wgmmas on stage ``st``."""
-        a_base = e.bind(iadd(imul(st, a_stage), imul(cw, WGMMA_M * BK)), "sa")
+        a_base = e.bind(iadd(imul(st, a_stage), imul(cw, WGMMA_M * a_width)), "sa")
         b_base = e.bind(imul(st, b_stage), "sb")
         for kk in range(BK // 16):
+            box, step = divmod(16 * kk, a_width)  # A's box of a_width columns (one but for narrow heads)
+            a_op = SmemMatrix("sA", iadd(a_base, c(box * bm_ * a_width + step)), a_width * size, 0, 8 * a_width * size)
             if b_k_major:
                 b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk)), SWIZZLE, 0, ATOM)
             else:  # 16 K-rows of 128 bytes per step; the next 64 columns of N one box (BK rows) on
                 b_op = SmemMatrix("sB", iadd(b_base, c(16 * kk * row_elems)), SWIZZLE, BK * SWIZZLE, ATOM, "mn")
-            e.emit(Wgmma(bn_, "acc", c(0), SmemMatrix("sA", iadd(a_base, c(16 * kk)), SWIZZLE, 0, ATOM), b_op))
+            e.emit(Wgmma(bn_, "acc", c(0), a_op, b_op))
 
     def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
         e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
-        store_epilogue(e, group, at(mm, bz, row, col))
+        store_epilogue(e, group, (iadd(imul(bz, m), row), col) if flat else at(mm, bz, row, col))
         e.regs.pop(id(mm))
 
     def stores(cw: Expr) -> None:

@@ -32,6 +32,7 @@ from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import uses_pair_dot
 from sextant.schedule.cpu_panels import layout_gemm_weights, uses_panels
 from sextant.schedule.gpu_kernels import GPU_MAPPINGS
+from sextant.schedule.gpu_wgmma import reads_weight_in_place
 from sextant.schedule.gpu_wgmma_conv import layout_hopper_conv_weights
 from sextant.schedule.kernels import MAPPINGS, KernelChain, buffers_read, external_buffers, micro_tile
 from sextant.schedule.overlap import overlap_collectives
@@ -283,11 +284,12 @@ def prepack_weights(graph: Graph, groups: list[Group], target: TargetDesc | None
     vectorised dimension. Returns the operand nodes that become prepacked constant buffers.
     Not those of a CPU GEMV (``cpu_gemv``: a decode step's Linear reads W in place) nor of a bf16
     GEMM on the pair dot product or with a constant weight (``cpu_panels`` lays those out in pairs of
-    K or in panels instead)."""
+    K or in panels instead), nor of a Hopper GEMM that reads ``Wᵀ`` in place (``gpu_wgmma``)."""
     packed = []
     for g in groups:
         if g.kind == "matmul" and not (target is not None and (uses_gemv(g, target) or uses_pair_dot(g, target)
-                                                               or uses_panels(g, target))):
+                                                               or uses_panels(g, target)
+                                                               or reads_weight_in_place(g, target))):
             b = g.anchor.inputs[1]
             if b.op != "param" and movement_of_param(b) and isinstance(b.type.numel, int):  # not a broadcast to a size
                 packed.append(b)

@@ -11,13 +11,14 @@ keeps the map at the buffer's own start address.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
 from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.ir import Expr, TmaLoad
-from sextant.schedule.indexing import c, delinearize, iadd
+from sextant.schedule.indexing import c, delinearize, iadd, idiv, imod
 from sextant.schedule.views import strided_view
 
 SWIZZLE = 128  # bytes: one swizzled row
@@ -89,3 +90,61 @@ def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_
                       tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims), tuple(int(n) for n in x.shape[:-2]))
 
 
+
+
+@dataclass(frozen=True)
+class HeadsOperand:
+    """An ``[*, n, h·d]`` GEMM operand that is the permute of a stored ``[b, h, n, d]`` (attention's
+    output feeding the output projection: ``o.transpose(1, 2).reshape(b·n, h·d)``). No single row
+    stride describes it, but each head is an ``n × d`` matrix TMA can read: a K tile of 64 is
+    ``64 / w`` boxes of ``w = min(d, 64)`` columns — of consecutive heads when ``d < 64``, swizzled
+    ``w · 2`` bytes — the head index an outer coordinate computed from K (past the last head, TMA
+    fills zeros); the batch ``b`` an outer dim too, so a GEMM row tile never straddles two batches:
+    the kernel runs ``b`` matrices of ``n`` rows."""
+
+    name: str
+    n: int
+    h: int
+    d: int
+    row_stride: int
+    head_stride: int
+    batch: tuple[int, int] | None  # (b, stride); None when b = 1
+
+    @property
+    def width(self) -> int:
+        return min(self.d, 64)
+
+    def boxes(self, dst: str, dst_off: Expr, bz: Expr, row: Expr, k0: Expr, rows: int, k_tile: int, bar: str,
+              bar_index: Expr, itemsize: int) -> list[TmaLoad]:
+        """The copies of rows ``row …`` × K ``k0 … k0 + k_tile`` of matrix ``bz`` into ``dst``: box
+        ``j`` (``w`` columns) ``j · rows · w`` elements on."""
+        w = self.width
+        loads = []
+        for j in range(k_tile // w):
+            k = iadd(k0, c(j * w))
+            outer = ((bz,) if self.batch else ()) + (idiv(k, self.d),)
+            dims = ((self.batch,) if self.batch else ()) + ((self.h, self.head_stride),)
+            loads.append(TmaLoad(dst, iadd(dst_off, c(j * rows * w)), self.name, row, imod(k, self.d), (rows, w),
+                                 (self.n, self.d), self.row_stride, w * itemsize, bar, bar_index, outer, dims))
+        return loads
+
+
+def heads_operand(x: Node, buffers: dict[int, str], dt: DType) -> HeadsOperand | None:
+    """``x`` as a :class:`HeadsOperand`, or None: ``x`` is ``[b·n, h·d]`` (or ``[b, n, h·d]``), a
+    reshape of a ``[b, n, h, d]`` view of a stored buffer with ``d`` contiguous, ``d`` 16 or 32 or a
+    multiple of 64 (16-bit elements), 16-byte-aligned strides and no offset."""
+    if x.op != "reshape" or is_symbolic(x.shape) or x.inputs[0].type.rank not in (3, 4):
+        return None
+    p = x.inputs[0]
+    *lead, n, h, d = (int(s) for s in p.shape)
+    b = math.prod(lead)
+    if tuple(x.shape) not in ((b * n, h * d), (b, n, h * d)) or not (d in (16, 32) or d % 64 == 0):
+        return None
+    view = strided_view(p, buffers, exact_from=dt)
+    if view is None or view.offset or view.strides[-1] != 1:
+        return None
+    *sb, sn, sh, _ = view.strides
+    size = dt.itemsize
+    if any((s * size) % 16 for s in (sn, sh, *sb)) or (b > 1 and len(lead) != 1):
+        return None
+    return HeadsOperand(buffers[id(view.buffer)], n, h, d, sn, sh, (b, sb[0]) if b > 1 else None)

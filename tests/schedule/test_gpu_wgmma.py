@@ -100,11 +100,26 @@ def test_operands_tma_cannot_describe_keep_mma_sync(monkeypatch: pytest.MonkeyPa
 
 
 def test_unaligned_row_stride_keeps_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:
-    """N = 130: the K×N weight's rows are 260 bytes, which a tensor map cannot stride (16-byte multiples)."""
-    mod = Linear(64, 130).half()
+    """N = 130: a K×N weight's rows are 260 bytes, which a tensor map cannot stride (16-byte multiples)."""
+    mod = MatmulKN(64, 130).half()
+    x, r = torch.randn(70, 64).half(), torch.randn(70, 130).half()
+    cm = _compile(mod, (x, r), monkeypatch)
+    assert {kn.meta["mapping"] for kn in cm.stages["program"].kernels.values()} == {"tensor-core"}
+    torch.testing.assert_close(cm(x, r).float(), mod.float()(x.float(), r.float()), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("n", [130, 10])
+def test_linear_reads_its_weight_in_place(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Linear's W (``N × K``) is read as Wᵀ, K-major, where the module keeps it — no row-major
+    copy, whose ``N``-element rows a tensor map could not stride at N = 130 or a 10-class head."""
+    torch.manual_seed(4)
+    mod = Linear(64, n, act=False).half()
     x = torch.randn(70, 64).half()
     cm = _compile(mod, (x,), monkeypatch)
-    assert {kn.meta["mapping"] for kn in cm.stages["program"].kernels.values()} == {"tensor-core"}
+    (kern,) = cm.stages["program"].kernels.values()
+    assert kern.meta["mapping"] == "wgmma-tma"
+    assert f"[{n}x64, stride 64]" in sextant.kernel.printer.print_kernel(kern)  # W itself, rows of K
+    assert not [t for t in cm.stages["program"].constants.values() if tuple(t.shape) == (64, n)]
     torch.testing.assert_close(cm(x).float(), mod.float()(x.float()), atol=2e-2, rtol=2e-2)
 
 
@@ -195,3 +210,42 @@ def test_narrow_product_on_a_64_wide_tile(monkeypatch: pytest.MonkeyPatch) -> No
     (kern,) = cm.stages["program"].kernels.values()
     assert kern.meta["tile"] == (128, 64, 64) and kern.meta["warp_specialized"]
     torch.testing.assert_close(cm(x).float(), mod.float()(x.float()), atol=2e-2, rtol=2e-2)
+
+
+class AttentionProjection(torch.nn.Module):
+    """SDPA, heads merged back (``o.transpose(1, 2).reshape(…)``) and the output projection: A is
+    no strided matrix, but each head is one (``tma.HeadsOperand``)."""
+
+    def __init__(self, h: int, d: int, n_out: int, flat: bool) -> None:
+        super().__init__()
+        self.flat, self.lin = flat, torch.nn.Linear(h * d, n_out)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b, h, n, d = o.shape
+        o = o.transpose(1, 2)
+        return self.lin(o.reshape(b * n, h * d) if self.flat else o.reshape(b, n, h * d))
+
+
+@pytest.mark.parametrize("b,h,n,d,n_out,flat,box", [
+    (2, 4, 16, 16, 64, True, "16x16"),  # heads of 16: four 32-byte-swizzled boxes a K tile; 2 × 16 rows
+    (2, 3, 100, 32, 136, True, "100x32"),  # heads of 32, 128-row tiles per batch, K = 96: the last box past the heads
+    (2, 3, 40, 64, 96, True, "40x64"),  # one head a K tile, ragged rows
+    (2, 2, 24, 128, 64, False, "24x128"),  # two K tiles a head; [b, n, h·d] kept batched
+])
+def test_attention_output_projection_reads_heads_by_tma(b: int, h: int, n: int, d: int, n_out: int, flat: bool,
+                                                        box: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(5)
+    mod = AttentionProjection(h, d, n_out, flat).half()
+    args = tuple(torch.randn(b, h, n, d).half() for _ in range(3))
+    cm = _compile(mod, args, monkeypatch)
+    kern = next(kn for kn in cm.stages["program"].kernels.values() if kn.name.startswith("matmul"))
+    assert kern.meta["mapping"] == "wgmma-tma"
+    text = sextant.kernel.printer.print_kernel(kern)
+    assert f"(stride {n * d}) x {box}, stride {d}]" in text  # each head an n × d matrix, heads an outer dim
+    assert f"box={kern.meta['tile'][0]}x{min(d, 64)}, swizzle={min(d, 64) * 2}" in text
+    args2 = tuple(torch.randn(b, h, n, d).half() for _ in range(3))  # fresh inputs
+    torch.testing.assert_close(cm(*args2).float(), mod.float()(*(a.float() for a in args2)), atol=2e-2, rtol=2e-2)
+    res = cm.stages["ptxas"]
+    assert "C7512" not in res.log and "serialized" not in res.log
+    assert all(r.spill_stores == r.spill_loads == 0 for r in res.kernels.values())
