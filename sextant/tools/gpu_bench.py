@@ -70,6 +70,30 @@ def attention_inputs(seq: int, tiny: bool) -> tuple[nn.Module, tuple]:
     return Attention(), tuple(torch.randn(*shape) for _ in range(3))
 
 
+class Bottleneck(nn.Module):
+    """A ResNet-50 bottleneck block (1×1 reduce, 3×3, 1×1 expand, BatchNorm, residual): convolutions
+    on tensor cores — the implicit GEMM (mma.sync, or wgmma on sm_90a) — without torchvision."""
+
+    def __init__(self, width: int = 64, expansion: int = 4) -> None:
+        super().__init__()
+        c = width * expansion
+
+        def unit(cin: int, cout: int, k: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), nn.BatchNorm2d(cout))
+
+        self.reduce, self.conv, self.expand = unit(c, width, 1), unit(width, width, 3), unit(width, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(torch.relu(self.reduce(x))))
+        return torch.relu(self.expand(y) + x)
+
+
+def bottleneck_inputs(tiny: bool) -> tuple[nn.Module, tuple]:
+    """ResNet-50's first-stage block (256 → 64 → 256 channels) at batch 32 × 56 × 56, or 2 × 8 × 8."""
+    torch.manual_seed(0)
+    return Bottleneck().eval(), (torch.randn(2 if tiny else 32, 256, 8 if tiny else 56, 8 if tiny else 56),)
+
+
 class Softmax(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x, dim=-1)
@@ -148,6 +172,7 @@ def _cases() -> list[Case]:
             for seq, cost in ((512, 10.0), (2048, 15.0)):
                 out.append(Case(f"attention-b8-h12-s{seq}-causal-fp16", dt,
                                 lambda tiny, seq=seq: attention_inputs(seq, tiny), cost))
+            out.append(Case("resnet-bottleneck-b32-fp16", dt, bottleneck_inputs, 30.0))  # convs on tensor cores
         out.append(Case(f"softmax-8192-{tag}", dt,
                         lambda tiny: (Softmax(), (torch.randn(64 if tiny else 8192, 64 if tiny else 8192),)), 10.0))
     # LLM decoding: prefill + greedy decode steps, the KV caches updated in place, half precision only;
