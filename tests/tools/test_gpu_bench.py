@@ -45,6 +45,21 @@ def test_dry_run_attention_cases_run_the_flash_kernel(tmp_path: Path) -> None:
         assert float(row["max abs err"]) < 4e-3
 
 
+@pytest.mark.parametrize("arch,conv", [(None, "3 tensor-core"), ("sm_90a", "3 tensor-core (3 wgmma+TMA)")])
+def test_dry_run_bottleneck_runs_its_convolutions_on_tensor_cores(tmp_path: Path, arch: str | None,
+                                                                 conv: str) -> None:
+    """The ResNet bottleneck: three kernels (BatchNorm, ReLU and the residual fused), each an
+    implicit GEMM on tensor cores — on wgmma for sm_90a (``scripts/gpu-check`` times both)."""
+    out = tmp_path / "gpu_bench.md"
+    argv = ["--dry-run", "--no-inductor", "--cases", "bottleneck", "--out", str(out)]
+    assert gpu_bench.main(argv + (["--arch", arch] if arch else [])) == 0
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    (row,) = [dict(zip(head, [c.strip() for c in line.strip("|").split("|")])) for line in lines[1:]]
+    assert row["case"] == "resnet-bottleneck-b32-fp16" and row["kernels (unique)"] == f"3 (3), {conv}"
+    assert "0 B spills" in row["notes"] and float(row["max abs err"]) < 1e-2
+
+
 def test_profile_table_sums_kinds_and_names_the_slowest_launch() -> None:
     from sextant.tools.gpu_bench import Row, profile_table
 
