@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench coverage coverage-grad clean chromium ptxas
+.PHONY: demo test test-slow test-all lint bench coverage coverage-grad clean chromium ptxas
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +18,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m sextant.demo
 
+# `make test`: lint and every test not marked `slow` (~15 minutes on 2 cores); `make test-slow`: the
+# `slow` ones (OpInfo conformance, whole models through cuda-sim, the docs' snippets; ~20 minutes);
+# CI (.ci/run) runs both: `make test-all`.
 test: $(STAMP) lint chromium ptxas
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q
-
-test-fast: $(STAMP) chromium ptxas
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q -m "not slow"
+
+test-slow: $(STAMP) chromium ptxas
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n 2 -q -m slow
+
+test-all: test test-slow
 
 # The compile report's browser test (tests/report) needs headless Chromium: Debian's package, installed
 # here when missing and we are root (as in CI); otherwise that test fails and says how to install it.

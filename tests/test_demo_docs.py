@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 from sextant import demo
 from sextant.tools import docgen
 
@@ -22,6 +24,7 @@ def test_demo_cli_exit_code() -> None:
     assert demo.main(["mlp", "--quiet"]) == 0
 
 
+@pytest.mark.slow  # ~70 s: regenerates every docs snippet
 def test_docs_are_up_to_date() -> None:
     """Fails when README.md or docs/*.md quote output the tool no longer produces.
 

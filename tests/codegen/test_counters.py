@@ -144,6 +144,7 @@ def test_tensor_core_gemm_mainloop_is_conflict_free_and_coalesced(model: nn.Modu
     assert got.store_efficiency == 1.0 if n % 16 == 0 else got.store_efficiency >= 0.75
 
 
+@pytest.mark.slow  # ~70 s of cuda-sim counters
 def test_elementwise_and_reduction_loads_are_coalesced() -> None:
     for name in ("transformer-block", "cnn"):
         model, args = EXAMPLES[name]()

@@ -229,6 +229,7 @@ def test_failed_capture_leaves_dynamos_shape_env_alone() -> None:
     assert all("_local_scalar_dense" in g.reason for g in dyn.STATS.graphs if g.target is None)
 
 
+@pytest.mark.slow  # ~27 s: a whole audio encoder through Dynamo
 def test_encodec_encoder() -> None:
     """Encodec's encoder (transformers, small config, random weights): convolutions padded by
     data-dependent amounts (``_pad1d``), then an LSTM. torch.export cannot capture the padding, so

@@ -149,6 +149,7 @@ def test_flash_kernel_assembles_without_spills_and_runs_on_hmma(arch: str) -> No
             assert "HMMA.16816.F32" in disassemble(res.cubin, tool)
 
 
+@pytest.mark.slow  # ~40 s of cuda-sim counters
 def test_flash_kernel_counters() -> None:
     """Conflict-free ldmatrix on the padded K/V tiles, and both products on tensor cores."""
     from sextant.codegen.counters import count_program

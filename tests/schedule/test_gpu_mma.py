@@ -147,7 +147,8 @@ class ConvNet(nn.Module):
         return self.c(torch.relu(self.b(torch.relu(self.bn(self.a(x))))))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [DTYPES[0], *(pytest.param(d, marks=pytest.mark.slow) for d in DTYPES[1:])],
+                         ids=str)  # ~23 s each
 def test_half_convolutions_run_on_tensor_cores(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The implicit GEMM through the same tensor-core body: race-checked on cuda-sim, conflict-free
     shared memory, 0 spills, within half tolerance of f32 eager on the same weights."""

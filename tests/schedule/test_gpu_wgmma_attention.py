@@ -156,7 +156,7 @@ def test_slices_of_one_projection_are_read_in_place(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(cm(x2).float(), mod.float()(x2.float()), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dt", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])  # ~30 s each
 def test_gpt2_two_layers_attention_on_wgmma(dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
