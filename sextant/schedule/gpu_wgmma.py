@@ -333,7 +333,8 @@ def _specialized(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: E
     are done). The producer copies tiles ``0 … S-3`` first; in its iteration ``kt`` it waits until
     tile ``kt-2`` is released (the empty barrier's phase ``(kt-2)/S``: its stage is the one tile
     ``kt+S-2`` goes to) and copies that tile. Consumer iteration ``kt`` waits for tile ``kt``'s
-    full phase ``kt/S``, multiplies, waits until one group is in flight and releases tile ``kt-1``.
+    full phase ``kt/S``, multiplies, waits until one group is in flight and releases tile ``kt-1``
+    (with A in registers, ``RegisterA``: waits for all and releases tile ``kt`` itself).
     On the GPU each role runs at its own pace, the producer up to ``S-2`` tiles ahead (one stage
     is the group still in flight, one the tile being multiplied). cuda-sim runs the two loops
     interleaved iteration by iteration (``codegen.simt.jam_roles``), every wait a cut whose phase

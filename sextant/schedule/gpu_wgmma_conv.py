@@ -24,16 +24,18 @@ output channels**, because of where wgmma takes its operands from:
   stage (the GEMM with A in shared memory keeps one group in flight).
 * **Tiles** are the GEMM's — 128 rows (a producer warpgroup and two consumers) or 64 (one
   warpgroup that also issues the copies), 4 stages — with columns ``BN`` the narrowest of 64, 128,
-  256 covering the group's channels, or the channels themselves rounded up to 8 below 64 (wgmma's
-  N): a 16-channel conv does not multiply 48 columns of zeros. Groups are grid z.
+  256 (64, 128 for 64-row tiles) covering the group's channels, or the channels themselves rounded
+  up to 8 below 64 (wgmma's N): a 16-channel conv does not multiply 48 columns of zeros. Groups
+  are grid z.
 * **Epilogue**: bias, BatchNorm, activation, residual, cast, per accumulator at output index
   ``(n, g·Cout_g + co, o…)``. In the D layout eight lanes of a warp hold eight consecutive
   positions of one channel: the NCHW stores come in 16-byte runs (a shared-memory transpose or a
   TMA store would make them whole lines; not built).
 
-Used for f16/bf16 convolutions on ``sm_90a`` with static sizes, a stored weight whose rows TMA
-can address (``K`` · 2 bytes a multiple of 16) and at least ``CONV_GEMM_MIN_CHANNELS`` channels a
-group; anything else keeps the ``mma.sync`` implicit GEMM (``gpu_conv``), which sm_90a runs too.
+Used for f16/bf16 convolutions on ``sm_90a`` with static sizes, ``K > 8``, a weight whose rows TMA
+can address (stored with ``K`` · 2 bytes a multiple of 16, or laid out so at compile time) and at
+least ``CONV_GEMM_MIN_CHANNELS`` channels a group; anything else keeps the ``mma.sync`` implicit
+GEMM (``gpu_conv``), which sm_90a runs too.
 """
 
 from __future__ import annotations
@@ -96,12 +98,14 @@ STAGES = 4
 
 def uses_wgmma_conv(group: Group, target: TargetDesc) -> bool:
     """The group's convolution may run on the Hopper kernel below (its weight is checked when the
-    kernel is built: stored, TMA-addressable)."""
+    kernel is built: stored, TMA-addressable). Not with ``K ≤ 8``: the only 16-wide step's upper
+    half is zeros LLVM folds into the zero accumulators' registers, and ptxas serialises the
+    wgmma (C7511)."""
     cv = group.anchor
     x, w = cv.inputs
     return (is_sm90a(target) and x.dtype == w.dtype == cv.dtype and x.dtype in (DType.f16, DType.bf16)
             and not any(is_symbolic(s) for s in (cv.shape, x.shape, w.shape)) and may_be_nonzero(cv.type.numel)
-            and w.shape[0] // cv.attr("groups") >= CONV_GEMM_MIN_CHANNELS)
+            and w.shape[0] // cv.attr("groups") >= CONV_GEMM_MIN_CHANNELS and math.prod(w.shape[1:]) > 8)
 
 
 def conv_wg_tile(positions: int, channels: int) -> WgTile:
@@ -170,8 +174,8 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
     e, params, _ = setup_kernel(group, stored)
     wt = group.packed.get(id(w), w)
     pitch = int(wt.shape[-1]) if wt is not w else k
-    if k <= 8 or id(wt) not in e.buffers or (pitch * dt.itemsize) % 16:
-        return None  # (K ≤ 8: the step's upper half is zeros LLVM folds into the zero accumulators' registers: C7511)
+    if id(wt) not in e.buffers or (pitch * dt.itemsize) % 16:
+        return None
     weights = TmaOperand(e.buffers[id(wt)], int(w.shape[0]), pitch, pitch, (), ())
     tile = conv_wg_tile(m, cout_g)
     S, bm_, bn_ = tile.stages, tile.bm, tile.bn

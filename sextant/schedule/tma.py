@@ -145,6 +145,6 @@ def heads_operand(x: Node, buffers: dict[int, str], dt: DType) -> HeadsOperand |
         return None
     *sb, sn, sh, _ = view.strides
     size = dt.itemsize
-    if any((s * size) % 16 for s in (sn, sh, *sb)) or (b > 1 and len(lead) != 1):
+    if any((s * size) % 16 or s <= 0 for s in (sn, sh, *sb)) or (b > 1 and len(lead) != 1):
         return None
     return HeadsOperand(buffers[id(view.buffer)], n, h, d, sn, sh, (b, sb[0]) if b > 1 else None)

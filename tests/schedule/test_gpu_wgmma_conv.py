@@ -96,13 +96,18 @@ def test_unaligned_weight_is_padded_at_compile_time(monkeypatch: pytest.MonkeyPa
 
 
 def test_what_the_kernel_cannot_take_keeps_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:
-    """K ≤ 8 (a 1×1 conv of 8 channels), few output channels a group (depthwise: direct), sm_90
-    without the ``a`` features: the mma.sync implicit GEMM or the direct mapping."""
+    """K ≤ 8 (a 1×1 conv of 8 channels, a 2×2 one of 1, a transposed 2×2 of 2), few output channels
+    a group (depthwise: direct), sm_90 without the ``a`` features: the mma.sync implicit GEMM or the
+    direct mapping."""
     torch.manual_seed(2)
     narrow = nn.Conv2d(8, 64, 1).half()
+    tiny_k = nn.Conv2d(1, 16, 2).half()  # K = 4: not laid out for wgmma either (the fallback reads W itself)
+    tiny_t = nn.ConvTranspose2d(2, 16, 2, stride=2).half()  # K = 8 of a flipped, transposed kernel
     depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16).half()
     x8, x16 = torch.randn(2, 8, 6, 6).half(), torch.randn(2, 16, 6, 6).half()
-    for mod, x, mapping in ((narrow, x8, "tensor-core-implicit-gemm"), (depthwise, x16, "thread-per-element")):
+    x1, x2 = torch.randn(2, 1, 6, 6).half(), torch.randn(2, 2, 5, 5).half()
+    for mod, x, mapping in ((narrow, x8, "tensor-core-implicit-gemm"), (tiny_k, x1, "tensor-core-implicit-gemm"),
+                            (tiny_t, x2, "tensor-core-implicit-gemm"), (depthwise, x16, "thread-per-element")):
         cm = _compile(mod, (x,), monkeypatch)
         (kern,) = cm.stages["program"].kernels.values()
         assert kern.meta["mapping"] == mapping
