@@ -29,7 +29,7 @@ from sextant.graph.builder import GraphBuilder
 from sextant.graph.ir import Graph, Node
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import pair_columns, pair_weight, uses_pair_dot
-from sextant.schedule.partition import Group, movement_of_param
+from sextant.schedule.partition import Group, append_layouts, movement_of_param
 from sextant.schedule.target import TargetDesc
 
 
@@ -60,8 +60,7 @@ def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
     of K for the pair dot product, in panels otherwise. Returns the graph with the layout nodes
     appended (the program's graph names every buffer it holds) and the nodes to be evaluated into
     constants."""
-    extra: list[Node] = []
-    packed: list[Node] = []
+    layouts = []
     for g in groups:
         if uses_pair_dot(g, target):
             layout = pair_weight
@@ -70,14 +69,5 @@ def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
         else:
             continue
         b = g.anchor.inputs[1]
-        p = layout(b, pair_columns(g, target))
-        chain, x = [], p
-        while x is not b:
-            chain.append(x)
-            x = x.inputs[0]
-        extra += reversed(chain)
-        g.packed[id(b)] = p
-        packed.append(p)
-    if not extra:
-        return graph, []
-    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed
+        layouts.append((g, b, layout(b, pair_columns(g, target))))
+    return append_layouts(graph, layouts)

@@ -232,21 +232,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
         e.regs.pop(id(mm))
 
     def stores(cw: Expr) -> None:
-        """Consumer warpgroup ``cw``'s accumulators through the fused epilogue, at the D layout's
-        rows and columns, guarded at the edges."""
-        lane = imod(t, 32)
-        g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
-        wrow = e.bind(iadd(i0, iadd(imul(cw, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
-
-        def element(i: Var) -> None:
-            half = Binary("shr", i, c(1), DType.i32)
-            row = e.bind(iadd(iadd(wrow, g), imul(imod(half, 2), 8)), "row")
-            col = e.bind(iadd(j0, iadd(imul(Binary("shr", i, c(2), DType.i32), 8), iadd(q, imod(i, 2)))), "col")
-            guard = _and([_bool("lt", v, c(lim)) for v, lim, sz in ((row, m, bm_), (col, n, bn_))
-                          if not divisible(lim, sz)])
-            _guarded(e, guard, lambda: epilogue(row, col, Load("acc", i, DType.f32)))
-
-        _strided_loop(e, c(0), bn_ // 2, 1, element, "ci", unroll=True)
+        store_d_fragment(e, i0, j0, cw, (m, n), (bm_, bn_), epilogue)
 
     def zero_acc() -> None:
         _strided_loop(e, c(0), bn_ // 2, 1, lambda u: e.emit(Store("acc", u, Const(0.0, DType.f32))), "u",
@@ -299,6 +285,26 @@ def _k_step(e: ValueEmitter, S: int, kt: Var, cw: Expr, mmas: Callable[[Expr, Ex
     e.emit(WgmmaWait(0, ("acc",)))
     reg_a.swap()
     return 0
+
+
+def store_d_fragment(e: ValueEmitter, i0: Expr, j0: Expr, cw: Expr, lims: tuple[int, int], tile: tuple[int, int],
+                     epilogue: Callable[[Expr, Expr, Expr], None]) -> None:
+    """Consumer warpgroup ``cw``'s ``tile[1]/2`` accumulators of the tile at ``(i0, j0)`` through
+    ``epilogue(row, col, acc)`` at the rows and columns the D layout gives them, guarded where the
+    ``lims`` (rows, columns) are not whole tiles."""
+    t = TID_X
+    lane = imod(t, 32)
+    g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
+    wrow = e.bind(iadd(i0, iadd(imul(cw, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
+
+    def element(i: Var) -> None:
+        half = Binary("shr", i, c(1), DType.i32)
+        row = e.bind(iadd(iadd(wrow, g), imul(imod(half, 2), 8)), "row")
+        col = e.bind(iadd(j0, iadd(imul(Binary("shr", i, c(2), DType.i32), 8), iadd(q, imod(i, 2)))), "col")
+        guard = _and([_bool("lt", v, c(lim)) for v, lim, sz in zip((row, col), lims, tile) if not divisible(lim, sz)])
+        _guarded(e, guard, lambda: epilogue(row, col, Load("acc", i, DType.f32)))
+
+    _strided_loop(e, c(0), tile[1] // 2, 1, element, "ci", unroll=True)
 
 
 def _mainloop(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr, issue: Callable[[Expr], list],

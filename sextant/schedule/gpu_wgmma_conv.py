@@ -47,7 +47,6 @@ from sextant.graph.dtypes import DType
 from sextant.graph.ir import Graph, Node
 from sextant.graph.symbolic import is_symbolic
 from sextant.kernel.ir import (
-    Binary,
     Buffer,
     Cast,
     Const,
@@ -59,7 +58,6 @@ from sextant.kernel.ir import (
     RegMatrix,
     SmemMatrix,
     Store,
-    Var,
     Wgmma,
 )
 from sextant.kernel.sizes import with_grid
@@ -85,10 +83,11 @@ from sextant.schedule.gpu_wgmma import (
     _specialized,
     choose_wg_tile,
     is_sm90a,
+    store_d_fragment,
 )
 from sextant.schedule.indexing import c, delinearize, divisible, iadd, idiv, imod, imul, may_be_nonzero
 from sextant.schedule.kernels import setup_kernel, store_epilogue
-from sextant.schedule.partition import Group, params_only
+from sextant.schedule.partition import Group, append_layouts, params_only
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.tma import SWIZZLE, TmaOperand
 
@@ -139,25 +138,15 @@ def layout_hopper_conv_weights(graph: Graph, groups: list[Group], target: Target
     TMA can address (``weight_matrix``), at compile time (``Group.packed``; the nodes returned are
     evaluated into constants and appended to the graph). A weight computed per call (training) is
     left alone: its conv keeps mma.sync when ``K`` is not a multiple of 8."""
-    extra: list[Node] = []
-    packed: list[Node] = []
+    layouts = []
     for g in groups:
         w = g.anchor.inputs[1] if g.kind == "conv" else None
         if w is None or not uses_wgmma_conv(g, target) or not params_only(w):
             continue
         p = weight_matrix(g.anchor)
-        if p is None:
-            continue
-        chain, x = [], p
-        while x is not w:  # the new nodes between w and p, in definition order
-            chain.append(x)
-            x = x.inputs[0]
-        extra += reversed(chain)
-        g.packed[id(w)] = p
-        packed.append(p)
-    if not extra:
-        return graph, []
-    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed
+        if p is not None:
+            layouts.append((g, w, p))
+    return append_layouts(graph, layouts)
 
 
 def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
@@ -263,29 +252,16 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
         decode_rows(cw)
         fragment(c(0), "xa")
 
+    def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+        e.regs[id(cv)] = e.bind(Cast(acc, dt), "c")
+        n, o = position(row)
+        store_epilogue(e, group, (n, iadd(channel0, col), *o))
+        e.regs.pop(id(cv))
+
     def stores(cw: Expr) -> None:
         """Consumer ``cw``'s accumulators through the fused epilogue at the D layout's (position,
         channel), guarded at the edges."""
-        g8, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
-        wrow = e.bind(iadd(i0, iadd(imul(cw, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")
-
-        def element(i: Var) -> None:
-            half = Binary("shr", i, c(1), DType.i32)
-            row = e.bind(iadd(iadd(wrow, g8), imul(imod(half, 2), 8)), "row")
-            col = e.bind(iadd(j0, iadd(imul(Binary("shr", i, c(2), DType.i32), 8), iadd(q, imod(i, 2)))), "col")
-            guard = _and([_bool("lt", v, c(lim)) for v, lim, sz in ((row, m, bm_), (col, cout_g, bn_))
-                          if not divisible(lim, sz)])
-
-            def epilogue() -> None:
-                acc = Load("acc", i, DType.f32)
-                e.regs[id(cv)] = e.bind(Cast(acc, dt), "c")
-                n, o = position(row)
-                store_epilogue(e, group, (n, iadd(channel0, col), *o))
-                e.regs.pop(id(cv))
-
-            _guarded(e, guard, epilogue)
-
-        _strided_loop(e, c(0), bn_ // 2, 1, element, "ci", unroll=True)
+        store_d_fragment(e, i0, j0, cw, (m, cout_g), (bm_, bn_), epilogue)
 
     reg_a = RegisterA(prefetch, swap)
     if tile.producer:

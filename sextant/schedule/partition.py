@@ -86,6 +86,25 @@ def movement_of_param(n: Node) -> bool:
     return n.op == "param"
 
 
+def append_layouts(graph: Graph, layouts: list[tuple[Group, Node, Node]]) -> tuple[Graph, list[Node]]:
+    """Each ``(group, operand, layout)``: the group reads ``layout`` (a chain of single-operand
+    nodes over ``operand``, built for it) instead of the operand (``Group.packed``), and the
+    chain's nodes are appended to the graph after everything they read — the program's graph
+    names every buffer it holds. Returns that graph and the layouts, to be evaluated into
+    constants at compile time."""
+    extra: list[Node] = []
+    for g, operand, layout in layouts:
+        chain, x = [], layout
+        while x is not operand:  # the new nodes between the operand and its layout, in definition order
+            chain.append(x)
+            x = x.inputs[0]
+        extra += reversed(chain)
+        g.packed[id(operand)] = layout
+    if not extra:
+        return graph, []
+    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), [p for _, _, p in layouts]
+
+
 def params_only(n: Node) -> bool:
     """Whether ``n`` depends on params alone (no input): its layout can be changed at compile time."""
     stack, seen = [n], set()
