@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from .ranks import run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available in this torch build")
+pytestmark = [pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available in this torch build"),
+              pytest.mark.slow]  # ~80 s: every scenario runs once in spawned ranks (the module's fixture)
 SCRIPT = Path(__file__).with_name("tp_scenarios.py")
 TOL = 1e-4
 

@@ -185,7 +185,7 @@ def test_gpt2_two_layers_attention_on_wgmma(dt: torch.dtype, monkeypatch: pytest
 
 @pytest.mark.parametrize("head,arch,expected", [
     (48, "sm_90a", "flash-attention-tensor-core"),  # not a whole swizzled row
-    (64, "sm_90", "flash-attention-tensor-core"),  # wgmma needs the architecture-specific target
+    pytest.param(64, "sm_90", "flash-attention-tensor-core", marks=pytest.mark.slow),  # wgmma needs sm_90a (~18 s)
 ])
 def test_other_attention_keeps_mma_sync(head: int, arch: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 2, 64, head).half()
@@ -194,6 +194,7 @@ def test_other_attention_keeps_mma_sync(head: int, arch: str, expected: str, mon
     torch.testing.assert_close(cm(q, q, q).float(), Sdpa()(q.float(), q.float(), q.float()), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow  # ~18 s: the mma.sync flash kernel through cuda-sim
 def test_operands_tma_cannot_describe_keep_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """K as a slice starting mid-row of the head dim: no outer shift expresses the offset."""
 

@@ -67,6 +67,7 @@ def test_unsupported_op_is_named_and_tried_as_an_extern_call() -> None:
     assert oc.reason_group(r).startswith("no lowering: passes as an extern call")
 
 
+@pytest.mark.slow  # ~17 s: the conformance CLI end to end
 def test_cli(tmp_path: Path) -> None:
     supported, md = tmp_path / "supported.txt", tmp_path / "gaps.md"
     md.write_text(f"intro\n{oc.MD_BEGIN}\nold\n{oc.MD_END}\noutro\n")

@@ -72,6 +72,7 @@ def test_ops_without_gradients_are_skipped() -> None:
     assert check.run_op("eq", mode=GRAD).skip == "no autograd support"
 
 
+@pytest.mark.slow  # ~19 s: the gradient conformance CLI end to end
 def test_cli(tmp_path: Path) -> None:
     supported, md = tmp_path / "supported.txt", tmp_path / "opinfo.md"
     md.write_text(f"a\n{oc.MD_BEGIN}\nkept\n{oc.MD_END}\nb\n{oc.MD_GRAD_BEGIN}\nold\n{oc.MD_GRAD_END}\nc\n")
