@@ -45,7 +45,7 @@ from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, If, Kernel, Load, Select, Store, Var
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imod, imul, strides
-from sextant.schedule.partition import Group, params_only
+from sextant.schedule.partition import Group, append_layouts, layout_chain, params_only
 from sextant.schedule.target import TargetDesc
 
 MIN_GROUP_COLUMNS = 2  # output channels per group below which (depthwise) the GEMM is not used
@@ -204,27 +204,13 @@ def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
     The layout nodes are appended to the graph (after everything they read) so the program's
     graph names every buffer it holds: the artifact format and the dumps refer to buffers by node.
     ``groups`` gains the per-call layout groups in place."""
-    extra: list[Node] = []
-    packed: list[Node] = []
-    for g in list(groups):
-        if g.kind != "conv" or not uses_gemm(g.anchor):
-            continue
-        w = g.anchor.inputs[1]
-        p = gemm_weight(g.anchor, target)
-        stack, chain = [p], []
-        while stack and stack[-1] is not w:  # the new nodes between w and p, in definition order
-            chain.append(stack[-1])
-            stack = [stack[-1].inputs[0]]
-        chain.reverse()
-        extra += chain
-        g.packed[id(w)] = p
-        if params_only(w):
-            packed.append(p)
-        else:
-            groups.insert(groups.index(g), Group("elementwise", p, members=list(chain), outputs=[p]))
-    if not extra:
-        return graph, []
-    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), packed
+    layouts = [(g, g.anchor.inputs[1], gemm_weight(g.anchor, target)) for g in groups
+               if g.kind == "conv" and uses_gemm(g.anchor)]
+    for g, w, p in layouts:
+        if not params_only(w):
+            groups.insert(groups.index(g), Group("elementwise", p, members=layout_chain(w, p), outputs=[p]))
+    graph, _ = append_layouts(graph, layouts)
+    return graph, [p for _, w, p in layouts if params_only(w)]
 
 
 def pointwise_as_matmul(graph: Graph, columns: int) -> Graph:

@@ -234,14 +234,10 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     def stores(cw: Expr) -> None:
         store_d_fragment(e, i0, j0, cw, (m, n), (bm_, bn_), epilogue)
 
-    def zero_acc() -> None:
-        _strided_loop(e, c(0), bn_ // 2, 1, lambda u: e.emit(Store("acc", u, Const(0.0, DType.f32))), "u",
-                      unroll=True)
-
     if tile.producer:
-        _specialized(e, tile, k_tiles, first, wg, issue, mmas, lambda _cw: zero_acc(), stores)
+        _specialized(e, tile, k_tiles, first, wg, issue, mmas, lambda _cw: zero_accumulators(e, bn_), stores)
     else:
-        zero_acc()
+        zero_accumulators(e, bn_)
         _mainloop(e, tile, k_tiles, first, wg, issue, mmas)
         stores(wg)
     shared = [Buffer("sA", dt, S * a_stage, "shared"), Buffer("sB", dt, S * b_stage, "shared"),
@@ -259,12 +255,12 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
 @dataclass(frozen=True)
 class RegisterA:
     """A fed from registers the consumers load themselves (wgmma's ``RegMatrix``; the Hopper
-    convolution's im2col fragment): ``prefetch(kt, cw)`` loads tile ``kt``'s fragment into the
+    convolution's im2col fragment): ``prefetch(kt)`` loads tile ``kt``'s fragment into the
     spare registers while the previous tile's wgmmas run, ``swap()`` makes them the ones the next
     wgmmas read. A wgmma reads its register A while it runs, so each K step waits for all its
     groups (not one behind) before the swap, and releases its own stage."""
 
-    prefetch: Callable[[Expr, Expr], None]
+    prefetch: Callable[[Expr], None]
     swap: Callable[[], None]
 
 
@@ -281,10 +277,15 @@ def _k_step(e: ValueEmitter, S: int, kt: Var, cw: Expr, mmas: Callable[[Expr, Ex
     if reg_a is None:
         e.emit(WgmmaWait(1, ("acc",)))
         return 1
-    reg_a.prefetch(iadd(kt, c(1)), cw)
+    reg_a.prefetch(iadd(kt, c(1)))
     e.emit(WgmmaWait(0, ("acc",)))
     reg_a.swap()
     return 0
+
+
+def zero_accumulators(e: ValueEmitter, n: int) -> None:
+    """A consumer thread's ``n/2`` f32 accumulators (``acc``) of a 64 × ``n`` tile set to 0."""
+    _strided_loop(e, c(0), n // 2, 1, lambda u: e.emit(Store("acc", u, Const(0.0, DType.f32))), "u", unroll=True)
 
 
 def store_d_fragment(e: ValueEmitter, i0: Expr, j0: Expr, cw: Expr, lims: tuple[int, int], tile: tuple[int, int],

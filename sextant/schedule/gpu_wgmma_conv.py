@@ -84,6 +84,7 @@ from sextant.schedule.gpu_wgmma import (
     choose_wg_tile,
     is_sm90a,
     store_d_fragment,
+    zero_accumulators,
 )
 from sextant.schedule.indexing import c, delinearize, divisible, iadd, idiv, imod, imul, may_be_nonzero
 from sextant.schedule.kernels import setup_kernel, store_epilogue
@@ -92,7 +93,6 @@ from sextant.schedule.target import TargetDesc
 from sextant.schedule.tma import SWIZZLE, TmaOperand
 
 FRAGMENT = 8  # A elements a thread holds per 16-wide K step
-STAGES = 4
 
 
 def uses_wgmma_conv(group: Group, target: TargetDesc) -> bool:
@@ -176,7 +176,7 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
     t = TID_X
     wg = e.bind(idiv(t, WARPGROUP), "wg")
     first = _bool("eq", t, c(0))
-    steps = min(BK, k_tiles * BK, -(-k // 16) * 16) // 16  # a single K tile: only its 16-wide steps with K in them
+    steps = min(BK, -(-k // 16) * 16) // 16  # a single K tile: only its 16-wide steps with K in them
 
     def issue(kt: Expr) -> list:
         """Thread 0's part: announce the stage's bytes and copy tile ``kt`` of the weights into it."""
@@ -237,7 +237,7 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
 
                         _guarded(e, _and(guard), load, lambda slot=slot: e.emit(Store(buf, c(slot), Const(0.0, dt))))
 
-    def prefetch(kt: Expr, cw: Expr) -> None:
+    def prefetch(kt: Expr) -> None:
         with e.scope() as body:
             fragment(kt, "xn")
         e.emit(If(_bool("lt", kt, c(k_tiles)), tuple(body)))
@@ -247,8 +247,7 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
                       unroll=True)
 
     def start(cw: Expr) -> None:
-        _strided_loop(e, c(0), bn_ // 2, 1, lambda u: e.emit(Store("acc", u, Const(0.0, DType.f32))), "u",
-                      unroll=True)
+        zero_accumulators(e, bn_)
         decode_rows(cw)
         fragment(c(0), "xa")
 

@@ -86,6 +86,15 @@ def movement_of_param(n: Node) -> bool:
     return n.op == "param"
 
 
+def layout_chain(operand: Node, layout: Node) -> list[Node]:
+    """The nodes of ``layout`` (single-operand nodes over ``operand``) in definition order."""
+    chain, x = [], layout
+    while x is not operand:
+        chain.append(x)
+        x = x.inputs[0]
+    return chain[::-1]
+
+
 def append_layouts(graph: Graph, layouts: list[tuple[Group, Node, Node]]) -> tuple[Graph, list[Node]]:
     """Each ``(group, operand, layout)``: the group reads ``layout`` (a chain of single-operand
     nodes over ``operand``, built for it) instead of the operand (``Group.packed``), and the
@@ -94,11 +103,7 @@ def append_layouts(graph: Graph, layouts: list[tuple[Group, Node, Node]]) -> tup
     constants at compile time."""
     extra: list[Node] = []
     for g, operand, layout in layouts:
-        chain, x = [], layout
-        while x is not operand:  # the new nodes between the operand and its layout, in definition order
-            chain.append(x)
-            x = x.inputs[0]
-        extra += reversed(chain)
+        extra += layout_chain(operand, layout)
         g.packed[id(operand)] = layout
     if not extra:
         return graph, []

@@ -90,8 +90,6 @@ def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_
                       tuple((n + shifts[i], k, i, shifts[i]) for n, k, i in dims), tuple(int(n) for n in x.shape[:-2]))
 
 
-
-
 @dataclass(frozen=True)
 class HeadsOperand:
     """An ``[*, n, h·d]`` GEMM operand that is the permute of a stored ``[b, h, n, d]`` (attention's
