@@ -29,3 +29,26 @@ def host_vector_bytes() -> int:
 def host_pair_dot() -> bool:
     """Whether the CPU has a bf16 pair dot product into f32 (AVX-512-BF16's ``vdpbf16ps``)."""
     return {"avx512bf16", "avx512f"} <= host_cpu_features()
+
+
+@functools.cache
+def host_amx() -> bool:
+    """Whether this process may run AMX bf16 tiles: the CPU has them (``amx-tile``, ``amx-bf16``)
+    and Linux granted the process their register state. The grant is asked for here, once per
+    process (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``): without it the first tile
+    instruction is a SIGILL. oneDNN asks too once torch has used AMX, which can hide a missing
+    request, so sextant never relies on it."""
+    if not {"amx-tile", "amx-bf16"} <= host_cpu_features():
+        return False
+    return _request_amx_state()
+
+
+def _request_amx_state() -> bool:
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0

@@ -32,6 +32,7 @@ from pathlib import Path
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from sextant.codegen import cpu_amx
 from sextant.codegen import cpu_hopper as hopper
 from sextant.codegen import cpu_tensor_core as tc
 from sextant.codegen.counters import AccessCounter, CountInfo, CountingCpuModule
@@ -86,6 +87,7 @@ from sextant.kernel.ir import (
     Select,
     SetMaxNReg,
     Special,
+    TileMatmul,
     TmaLoad,
     Var,
     Wgmma,
@@ -94,6 +96,7 @@ from sextant.kernel.ir import (
     WgmmaWait,
 )
 from sextant.kernel.sizes import dim_expr
+from sextant.kernel.tiles import expand_tiles
 from sextant.runtime.cpu import CpuModule, estimate_work
 
 PTR = ir.PointerType()
@@ -276,6 +279,8 @@ def _compile_checked(kernels: Sequence[Kernel]) -> CheckedCpuModule:
 class _KernelLowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False, vector_bytes: int = 32,
                  count: bool = False):
+        if check or count or not cpu_amx.native_amx():  # AMX tiles as pair dots (kernel/tiles.py)
+            kernel = expand_tiles(kernel)
         self.kernel = kernel
         self.plan: SimtPlan = plan_kernel(kernel, mark_barriers=check)
         fnty = ir.FunctionType(ir.VoidType(), [PTR, I32, I32])
@@ -566,6 +571,8 @@ class _KernelLowering(LoweringBase):
                 self.checker.async_group(s)
         elif isinstance(s, PairDot):
             pair_dot(self, s)
+        elif isinstance(s, TileMatmul):
+            cpu_amx.tile_matmul(self, s)
         elif isinstance(s, Wgmma):
             hopper.wgmma(self, s)
         elif isinstance(s, WgmmaStage):

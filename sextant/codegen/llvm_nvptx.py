@@ -58,6 +58,7 @@ from sextant.kernel.ir import (
     SmemMatrix,
     Special,
     Stmt,
+    TileMatmul,
     TmaLoad,
     Var,
     WarpReduce,
@@ -429,6 +430,8 @@ class _Lowering(LoweringBase):
         elif isinstance(s, PairDot):
             raise self._fail("a pair dot is the CPU's bf16 instruction (AVX-512-BF16); GPU kernels multiply bf16 "
                              "with mma.sync")
+        elif isinstance(s, TileMatmul):
+            raise self._fail("a tile matmul is the CPU's AMX instruction; GPU kernels multiply bf16 with mma.sync")
         else:
             raise self._fail(f"unknown statement {type(s).__name__}")
 

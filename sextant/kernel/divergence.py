@@ -29,6 +29,7 @@ from sextant.kernel.ir import (
     Special,
     Stmt,
     Store,
+    TileMatmul,
     Var,
     WarpReduce,
     Wgmma,
@@ -138,6 +139,9 @@ class Divergence:
             elif isinstance(s, PairDot):  # accumulates into its local buffer from its operands
                 self._feed(("m", s.acc), ctrl, stmt_operands(s))
                 self._stored.add(s.acc)
+            elif isinstance(s, TileMatmul):  # overwrites its local buffer from its operands
+                self._feed(("m", s.out), ctrl, stmt_operands(s))
+                self._stored.add(s.out)
             elif isinstance(s, Mma | LdMatrix | Wgmma):  # each lane holds different elements
                 buf = s.dst if isinstance(s, LdMatrix) else s.d
                 self._feed(("m", buf), ctrl, ())

@@ -21,6 +21,7 @@ from sextant.kernel.facts import Delta, Env, assume, bounds
 from sextant.kernel.intervals import Interval, fit, hull, int_range, intersect, is_intlike
 from sextant.kernel.ir import (
     ASYNC_COPY,
+    CPU_MATRIX,
     HOPPER,
     INDEX,
     Assign,
@@ -34,7 +35,6 @@ from sextant.kernel.ir import (
     Kernel,
     LdMatrix,
     Mma,
-    PairDot,
     Special,
     Stmt,
     Store,
@@ -303,7 +303,7 @@ class Ranges:
             frame[2] = None
             return self.join(env, ends[0], ends[1])
         # no register effect
-        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, PairDot, *ASYNC_COPY, *HOPPER)), s
+        assert isinstance(s, (Store, AtomicAdd, Barrier, Mma, LdMatrix, *CPU_MATRIX, *ASYNC_COPY, *HOPPER)), s
         return True
 
 

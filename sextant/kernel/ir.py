@@ -272,6 +272,46 @@ class PairDot:
 PAIR_DOT_LANES = (4, 8, 16)  # 128-, 256- and 512-bit vectors of f32
 
 
+@dataclass(frozen=True, slots=True)
+class TileMatmul:
+    """A bf16 GEMM micro-tile on x86's AMX matrix tiles: over all of ``k``,
+
+    ``out[r·C + c] = Σ_q A[a_off + r·a_stride + q] · B(q, c)`` for ``r < 16·row_tiles``,
+    ``c < C = 16·col_tiles``, where B is laid out in pairs of K per strip of 16 columns (the pair
+    dot's ``[strips, K/2, 16, 2]``): column ``16t + j`` of B at ``b_off + t·b_tile_stride +
+    (q/2)·32 + 2j + q%2``. ``out`` (f32, local) is overwritten, not accumulated into.
+
+    With AMX (``codegen/cpu_amx.py``) each k step of 32 is ``row_tiles`` + ``col_tiles`` tile loads
+    and ``row_tiles·col_tiles`` ``tdpbf16ps``, the accumulators staying in tile registers; 2×2
+    (4 accumulators + 2 + 2 operands) fills AMX's eight. Elsewhere (another CPU, the checked and
+    counting builds) it is the same sums as pair dots (:func:`sextant.kernel.tiles.expand_tiles`):
+    the products of bf16 values are exact in f32, only the order of the f32 adds may differ from
+    the instruction's. A CPU statement (a one-thread block)."""
+
+    out: str
+    a: str
+    a_off: Expr
+    a_stride: int  # elements between A's rows (K for a row-major A read in place)
+    b: str
+    b_off: Expr
+    b_tile_stride: int  # elements between B's strips of 16 columns
+    k: int  # a multiple of TILE_K
+    row_tiles: int = 2
+    col_tiles: int = 2
+
+    @property
+    def rows(self) -> int:
+        return TILE_ROWS * self.row_tiles
+
+    @property
+    def cols(self) -> int:
+        return TILE_ROWS * self.col_tiles
+
+
+TILE_ROWS, TILE_K = 16, 32  # an AMX tile: 16 rows of 64 bytes (16 f32 or 32 bf16 values)
+AMX_TILES = 8  # tile registers
+
+
 # -- Hopper (sm_90a): warpgroup MMA fed by TMA, mbarriers ------------------------------------------
 @dataclass(frozen=True, slots=True)
 class SmemMatrix:
@@ -408,10 +448,11 @@ class SetMaxNReg:
 
 
 Stmt = Union[Assign, Store, AtomicAdd, For, If, Barrier, WarpReduce, Mma, LdMatrix, CpAsync, CpAsyncCommit,  # noqa: UP007
-             CpAsyncWait, PairDot, Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive,
-             MbarrierWait, TmaLoad, SetMaxNReg]
+             CpAsyncWait, PairDot, TileMatmul, Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit,
+             MbarrierArrive, MbarrierWait, TmaLoad, SetMaxNReg]
 WARP_COLLECTIVE = (WarpReduce, Mma, LdMatrix)  # every lane of the warp executes these together
 ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
+CPU_MATRIX = (PairDot, TileMatmul)  # the CPU's matrix statements (one-thread blocks)
 HOPPER = (Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive, MbarrierWait, TmaLoad,
           SetMaxNReg)
 
@@ -427,6 +468,8 @@ def stmt_operands(s: Stmt) -> tuple[Expr, ...]:
         return (s.dst_index, s.src_index) + ((s.pred,) if s.pred is not None else ())
     if isinstance(s, PairDot):
         return (s.acc_off, s.a_lo, s.a_hi, s.b_off)
+    if isinstance(s, TileMatmul):
+        return (s.a_off, s.b_off)
     if isinstance(s, Wgmma):
         return (s.d_off, s.a.offset, s.b.offset)
     if isinstance(s, MbarrierInit | MbarrierArrive):
@@ -449,6 +492,8 @@ def map_operands(s: Stmt, fn: Callable[[Expr], Expr]) -> Stmt:
                                    pred=None if s.pred is None else fn(s.pred))
     if isinstance(s, PairDot):
         return dataclasses.replace(s, acc_off=fn(s.acc_off), a_lo=fn(s.a_lo), a_hi=fn(s.a_hi), b_off=fn(s.b_off))
+    if isinstance(s, TileMatmul):
+        return dataclasses.replace(s, a_off=fn(s.a_off), b_off=fn(s.b_off))
     if isinstance(s, Wgmma):
         return dataclasses.replace(s, d_off=fn(s.d_off), a=dataclasses.replace(s.a, offset=fn(s.a.offset)),  # type: ignore[arg-type]
                                    b=dataclasses.replace(s.b, offset=fn(s.b.offset)))

@@ -50,6 +50,7 @@ from sextant.kernel.ir import (
     Special,
     Stmt,
     Store,
+    TileMatmul,
     TmaLoad,
     Unary,
     Var,
@@ -160,6 +161,9 @@ def stmt_header(s: Stmt) -> str:
     if isinstance(s, PairDot):
         return (f"pair_dot_x{s.lanes}({_ref(s.acc, s.acc_off)}, {print_expr(s.a_lo)}, {print_expr(s.a_hi)}, "
                 f"{_ref(s.b, s.b_off)})")
+    if isinstance(s, TileMatmul):
+        return (f"tile_matmul_{s.rows}x{s.cols}x{s.k}(&{s.out}[0], {_ref(s.a, s.a_off)} rows {s.a_stride} apart, "
+                f"{_ref(s.b, s.b_off)} in pairs of K, strips {s.b_tile_stride} apart)")
     if isinstance(s, Wgmma):
         return f"wgmma_m64n{s.n}k16({_ref(s.d, s.d_off)}, {_smem(s.a)}, {_smem(s.b)})"
     if isinstance(s, SetMaxNReg):

@@ -30,9 +30,9 @@ VERSION = 1
 
 _NODE_CLASSES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (ir.Const, ir.Var, ir.Special, ir.Unary, ir.Binary, ir.Select, ir.Cast, ir.Load,
-                ir.Assign, ir.Store, ir.AtomicAdd, ir.For, ir.If, ir.Barrier, ir.WarpReduce, ir.Mma, ir.LdMatrix,
-                ir.CpAsync, ir.CpAsyncCommit, ir.CpAsyncWait, ir.PairDot, ir.SmemMatrix, ir.RegMatrix, ir.Wgmma,
+    for cls in (ir.Const, ir.Var, ir.Special, ir.Unary, ir.Binary, ir.Select, ir.Cast, ir.Load, ir.Assign, ir.Store,
+                ir.AtomicAdd, ir.For, ir.If, ir.Barrier, ir.WarpReduce, ir.Mma, ir.LdMatrix, ir.CpAsync,
+                ir.CpAsyncCommit, ir.CpAsyncWait, ir.PairDot, ir.TileMatmul, ir.SmemMatrix, ir.RegMatrix, ir.Wgmma,
                 ir.WgmmaFence, ir.WgmmaCommit, ir.WgmmaWait, ir.MbarrierInit, ir.MbarrierArrive, ir.MbarrierWait,
                 ir.TmaLoad, ir.SetMaxNReg, ir.Buffer, ir.Kernel)
 }

@@ -35,6 +35,7 @@ from sextant.kernel.flow import Ranges, loop_range
 from sextant.kernel.intervals import CMP_NEGATE, CMP_SWAP, int_range, is_intlike, wrap
 from sextant.kernel.ir import (
     ASYNC_COPY,
+    CPU_MATRIX,
     HOPPER,
     Assign,
     AtomicAdd,
@@ -49,7 +50,6 @@ from sextant.kernel.ir import (
     LdMatrix,
     Load,
     Mma,
-    PairDot,
     Select,
     Stmt,
     Store,
@@ -485,7 +485,7 @@ def _stmt(s: Stmt, env: Env, ranges: Ranges) -> tuple[list[Stmt], bool]:
         new = dataclasses.replace(s, value=simp(s.value))
         ranges.step(new, env)
         return [new], True
-    if isinstance(s, (Barrier, Mma, LdMatrix, PairDot, *ASYNC_COPY, *HOPPER)):
+    if isinstance(s, (Barrier, Mma, LdMatrix, *CPU_MATRIX, *ASYNC_COPY, *HOPPER)):
         return [map_operands(s, simp)], True
     if isinstance(s, For):
         loop = dataclasses.replace(s, start=simp(s.start), stop=simp(s.stop))

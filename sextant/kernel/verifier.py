@@ -39,9 +39,12 @@ from sextant.kernel.flow import Ranges
 from sextant.kernel.fragments import mma_accumulators, mma_shape
 from sextant.kernel.intervals import int_range
 from sextant.kernel.ir import (
+    AMX_TILES,
     HOPPER,
     INDEX,
     PAIR_DOT_LANES,
+    TILE_K,
+    TILE_ROWS,
     Assign,
     AtomicAdd,
     Barrier,
@@ -68,6 +71,7 @@ from sextant.kernel.ir import (
     Special,
     Stmt,
     Store,
+    TileMatmul,
     TmaLoad,
     Unary,
     Var,
@@ -257,6 +261,9 @@ class _Verifier:
         if isinstance(s, PairDot):
             self.pair_dot(s, defined)
             return
+        if isinstance(s, TileMatmul):
+            self.tile_matmul(s, defined)
+            return
         if isinstance(s, HOPPER):
             verify_hopper.check(self, s, defined, control)
             return
@@ -336,6 +343,38 @@ class _Verifier:
                          f"{acc.name!r}")
         if b.dtype != DType.bf16 or s.a_lo.dtype != DType.bf16 or s.a_hi.dtype != DType.bf16:
             self.fail(s, f"pair dot multiplies bf16 values, not {s.a_lo.dtype.value}/{s.a_hi.dtype.value} by "
+                         f"{b.dtype.value} {b.name!r}")
+
+    def tile_matmul(self, s: TileMatmul, defined: set[str]) -> None:
+        """A :class:`TileMatmul`: bf16 operands, an f32 local result of its size, whole tiles of K,
+        no more tiles than AMX has registers, a one-thread block."""
+        for e in stmt_operands(s):
+            self.expr(e, s, defined)
+            self.index(e, s)
+        if self.k.threads_per_block != 1:
+            self.fail(s, f"a tile matmul is a CPU statement (one thread per block), but the block has "
+                         f"{self.k.threads_per_block} threads")
+        tiles = s.row_tiles * s.col_tiles + s.row_tiles + s.col_tiles
+        if min(s.row_tiles, s.col_tiles) < 1 or tiles > AMX_TILES:
+            self.fail(s, f"a {s.row_tiles}x{s.col_tiles} tile matmul needs {tiles} tile registers; AMX has "
+                         f"{AMX_TILES}")
+        if s.k <= 0 or s.k % TILE_K:
+            self.fail(s, f"a tile matmul's K ({s.k}) must be a positive multiple of {TILE_K}")
+        if s.a_stride < s.k:
+            self.fail(s, f"A's rows are {s.a_stride} elements apart, fewer than K = {s.k}")
+        if s.b_tile_stride < s.k * TILE_ROWS:
+            self.fail(s, f"B's strips are {s.b_tile_stride} elements apart, fewer than one strip's "
+                         f"{s.k * TILE_ROWS}")
+        out, a, b = (self.buffers.get(n) for n in (s.out, s.a, s.b))
+        if out is None or a is None or b is None:
+            missing = s.out if out is None else s.a if a is None else s.b
+            self.fail(s, f"tile matmul operand {missing!r} is not a buffer of the kernel")
+            return
+        if out.space != "local" or out.dtype != DType.f32 or out.size < s.rows * s.cols:
+            self.fail(s, f"a tile matmul writes an f32 local buffer of at least {s.rows * s.cols} elements, not "
+                         f"{out.space} {out.dtype.value} {out.name!r}[{out.size}]")
+        if a.dtype != DType.bf16 or b.dtype != DType.bf16:
+            self.fail(s, f"a tile matmul multiplies bf16 operands, not {a.dtype.value} {a.name!r} by "
                          f"{b.dtype.value} {b.name!r}")
 
     def tensor_core(self, s: Stmt, defined: set[str], control: tuple[_Control, ...]) -> None:
@@ -593,6 +632,10 @@ def _ranges_touched(s: Stmt, buffers: dict[str, Buffer]) -> Iterator[tuple[str, 
     elif isinstance(s, PairDot):
         yield s.acc, s.acc_off, s.lanes, True, None
         yield s.b, s.b_off, 2 * s.lanes, False, None
+    elif isinstance(s, TileMatmul):  # A's rows and B's strips as the ranges that cover them
+        yield s.out, Const(0, DType.i32), s.rows * s.cols, True, None
+        yield s.a, s.a_off, (s.rows - 1) * s.a_stride + s.k, False, None
+        yield s.b, s.b_off, (s.col_tiles - 1) * s.b_tile_stride + s.k * TILE_ROWS, False, None
     elif isinstance(s, Wgmma):
         yield s.d, s.d_off, s.n // 2, True, None
         if isinstance(s.a, RegMatrix):

@@ -51,6 +51,7 @@ from sextant.schedule.indexing import (
     may_be_nonzero,
 )
 
+EPI = 1
 RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
 
 
@@ -209,7 +210,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                     guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
                             lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
 
-                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool), lambda: loop(nr, out_col, "j"))
+                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool),
+                        lambda: loop(nr, out_col, "j", unroll=EPI and n_store >= n))
 
             loop(mr, out_row, "r")
 
