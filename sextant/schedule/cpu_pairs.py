@@ -23,6 +23,7 @@ import math
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
+from sextant.schedule.cpu_amx import uses_amx
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.partition import Group, movement_of_param
 from sextant.schedule.target import TargetDesc
@@ -30,7 +31,8 @@ from sextant.schedule.target import TargetDesc
 
 def uses_pair_dot(group: Group, target: TargetDesc) -> bool:
     """Whether the CPU maps this matmul group on the pair dot product (see the module docstring)."""
-    if target.is_gpu or not target.pair_dot or group.kind != "matmul" or uses_gemv(group, target):
+    if (target.is_gpu or not target.pair_dot or group.kind != "matmul" or uses_gemv(group, target)
+            or uses_amx(group, target)):
         return False
     a, b = group.anchor.inputs
     k, n = b.shape[-2], b.shape[-1]
@@ -43,14 +45,15 @@ def pair_lanes(target: TargetDesc, nr: int) -> int:
     return min(target.vector_bytes // 4, nr)
 
 
-def pair_weight(b: Node, nr: int) -> Node:
+def pair_weight(b: Node, nr: int, n_multiple: int | None = None) -> Node:
     """``b`` (``[*batch, K, N]``) as ``[*batch, N/nr, K/2, nr, 2]``, padded with zeros to even K and
-    whole strips of ``nr`` columns: the layout the pair-dot micro-kernel streams."""
+    whole strips of ``nr`` columns (N to a multiple of ``n_multiple``, default ``nr``): the layout
+    the pair-dot micro-kernel streams, and AMX's tiles load (``cpu_amx``)."""
     *batch, k, n = b.shape
     nb = len(batch)
     g = GraphBuilder()
     g.loc = b.loc
-    k2, n2 = k + k % 2, math.ceil(n / nr) * nr
+    k2, n2 = k + k % 2, math.ceil(n / (n_multiple or nr)) * (n_multiple or nr)
     t = g.pad(b, (0,) * (nb + 2), (0,) * nb + (k2 - k, n2 - n)) if (k2, n2) != (k, n) else b
     t = g.reshape(t, (*batch, k2 // 2, 2, n2 // nr, nr))
     return g.permute(t, (*range(nb), nb + 2, nb, nb + 3, nb + 1))

@@ -27,6 +27,8 @@ import math
 
 from sextant.graph.builder import GraphBuilder
 from sextant.graph.ir import Graph, Node
+from sextant.kernel.ir import TILE_ROWS
+from sextant.schedule.cpu_amx import COL_TILES, amx_candidate, uses_amx
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import pair_columns, pair_weight, uses_pair_dot
 from sextant.schedule.partition import Group, append_layouts, movement_of_param
@@ -35,7 +37,8 @@ from sextant.schedule.target import TargetDesc
 
 def uses_panels(group: Group, target: TargetDesc) -> bool:
     """Whether this CPU matmul reads its B from a weight laid out in panels (the module docstring)."""
-    if target.is_gpu or group.kind != "matmul" or uses_gemv(group, target) or uses_pair_dot(group, target):
+    if (target.is_gpu or group.kind != "matmul" or uses_gemv(group, target) or uses_pair_dot(group, target)
+            or uses_amx(group, target)):
         return False
     b = group.anchor.inputs[1]
     k, n = b.shape[-2], b.shape[-1]
@@ -61,7 +64,13 @@ def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
     appended (the program's graph names every buffer it holds) and the nodes to be evaluated into
     constants."""
     layouts = []
+    stored = {id(o) for g in groups for o in g.outputs}
     for g in groups:
+        g.tiles = amx_candidate(g, target, stored)
+        if g.tiles:  # pairs of K in strips of 16 columns, N padded to whole column tiles
+            b = g.anchor.inputs[1]
+            layouts.append((g, b, pair_weight(b, TILE_ROWS, COL_TILES * TILE_ROWS)))
+            continue
         if uses_pair_dot(g, target):
             layout = pair_weight
         elif uses_panels(g, target):

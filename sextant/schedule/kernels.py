@@ -34,6 +34,7 @@ from sextant.kernel.ir import (
     Var,
 )
 from sextant.kernel.sizes import capacity
+from sextant.schedule.cpu_amx import amx_matmul_kernel, uses_amx
 from sextant.schedule.cpu_conv import conv_gemm_kernel, depthwise_kernel, is_depthwise
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.cpu_gemv import gemv_kernel, uses_gemv
@@ -430,6 +431,8 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     ``permute``) is a matrix-vector product instead, reading the weight in place (``cpu_gemv``)."""
     if uses_gemv(group, target):
         return gemv_kernel(group, stored, target, name)
+    if uses_amx(group, target):
+        return amx_matmul_kernel(group, stored, name)
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape

@@ -50,6 +50,8 @@ class Group:
     # computing that layout from the weights), e.g. a CPU convolution's [G, strips, K, nr] weights
     packed: dict[int, Node] = field(default_factory=dict)
     attention: Attention | None = None  # the matched chain of an "attention" group
+    # a CPU bf16 matmul on AMX tiles (schedule/cpu_amx.py): decided when its weight is laid out
+    tiles: bool = False
 
     @property
     def domain(self) -> tuple:

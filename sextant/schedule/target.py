@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from sextant.host import host_pair_dot, host_vector_bytes
+from sextant.host import host_amx, host_pair_dot, host_vector_bytes
 
 
 @dataclass(frozen=True)
@@ -24,20 +24,24 @@ class TargetDesc:
     is_gpu: bool = False
     tf32: bool = False  # f32 matmuls may use tf32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
     pair_dot: bool = False  # bf16 GEMMs on weights multiply pairs of K into f32 (kernel.ir.PairDot; AVX-512-BF16)
+    amx: bool = False  # bf16 GEMMs on weights run on AMX tiles (kernel.ir.TileMatmul; schedule/cpu_amx.py)
 
     @property
     def vector_width_f32(self) -> int:
         return self.vector_bytes // 4
 
 
-def cpu_target(cores: int | None = None, vector_bytes: int | None = None, pair_dot: bool | None = None) -> TargetDesc:
+def cpu_target(cores: int | None = None, vector_bytes: int | None = None, pair_dot: bool | None = None,
+               amx: bool | None = None) -> TargetDesc:
     """This machine's CPU (the CPU target JIT-compiles for the host): one thread per block, blocks
-    spread over the cores, the host's vector width, its bf16 dot-product instruction. Each can be
-    pinned, e.g. for reproducible docs; a pinned ``pair_dot`` on a CPU without the instruction
-    still runs (``codegen/cpu_matrix.py`` computes the same sums lane by lane)."""
+    spread over the cores, the host's vector width, its bf16 dot-product instruction and matrix
+    tiles. Each can be pinned, e.g. for reproducible docs; a pinned ``pair_dot`` or ``amx`` on a
+    CPU without the instruction still runs (``codegen/cpu_matrix.py`` computes the same sums lane
+    by lane, ``kernel/tiles.py`` expands tile matmuls into pair dots)."""
     return TargetDesc("cpu", cores=cores or os.cpu_count() or 1, warp=1, shared_bytes=1 << 20,
                       vector_bytes=vector_bytes or host_vector_bytes(), max_threads=1,
-                      pair_dot=host_pair_dot() if pair_dot is None else pair_dot)
+                      pair_dot=host_pair_dot() if pair_dot is None else pair_dot,
+                      amx=host_amx() if amx is None else amx)
 
 
 def sm90_target() -> TargetDesc:
