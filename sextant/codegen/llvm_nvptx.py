@@ -38,7 +38,7 @@ from sextant.codegen.libdevice import link_libdevice, nvptx_math
 from sextant.codegen.llvm_cpu import _compile_lock, _init_llvm  # one LLVM context: one lock for all targets
 from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
-from sextant.codegen.simt import WARP_OPS, iter_stmts, register_types
+from sextant.codegen.simt import WARP_OPS, register_types
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
     Barrier,
@@ -66,6 +66,7 @@ from sextant.kernel.ir import (
     WgmmaCommit,
     WgmmaFence,
     WgmmaWait,
+    iter_stmts,
 )
 from sextant.kernel.wgmma import SWIZZLE_ALIGN, TensorMap, kernel_tensor_maps
 from sextant.schedule.target import max_shared_bytes

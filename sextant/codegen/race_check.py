@@ -52,9 +52,8 @@ import torch
 from llvmlite import ir
 
 from sextant.codegen.scalar_math import I1, I8, I32, I64
-from sextant.codegen.simt import iter_stmts
 from sextant.errors import SextantError
-from sextant.kernel.ir import CpAsync, CpAsyncCommit, CpAsyncWait, Kernel
+from sextant.kernel.ir import CpAsync, CpAsyncCommit, CpAsyncWait, Kernel, iter_stmts
 from sextant.runtime.cpu import CpuModule
 
 if TYPE_CHECKING:

@@ -72,6 +72,7 @@ from sextant.kernel.ir import (
     Var,
     WarpReduce,
     Wgmma,
+    iter_stmts,
     stmt_operands,
 )
 from sextant.kernel.wgmma import WARPGROUP, WGMMA_M
@@ -257,16 +258,6 @@ def stmt_exprs(s: PhaseStmt) -> tuple[Expr, ...]:
     if isinstance(s, WgmmaCompute):
         return (s.wgmma.d_off, s.wgmma.b.offset)
     return stmt_operands(s)  # type: ignore[arg-type]
-
-
-def iter_stmts(stmts: Sequence[Stmt]) -> Iterator[Stmt]:
-    for s in stmts:
-        yield s
-        if isinstance(s, For):
-            yield from iter_stmts(s.body)
-        elif isinstance(s, If):
-            yield from iter_stmts(s.then)
-            yield from iter_stmts(s.orelse)
 
 
 def has_sync(s: Stmt) -> bool:

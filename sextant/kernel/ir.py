@@ -17,7 +17,7 @@ math reuses the graph IR's op names and semantics (``exp``, ``maximum``, ``where
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -455,6 +455,17 @@ ASYNC_COPY = (CpAsync, CpAsyncCommit, CpAsyncWait)
 CPU_MATRIX = (PairDot, TileMatmul)  # the CPU's matrix statements (one-thread blocks)
 HOPPER = (Wgmma, WgmmaFence, WgmmaCommit, WgmmaWait, MbarrierInit, MbarrierArrive, MbarrierWait, TmaLoad,
           SetMaxNReg)
+
+
+def iter_stmts(stmts: Sequence[Stmt]) -> Iterator[Stmt]:
+    """Every statement of ``stmts``, nested ones after the loop or branch holding them."""
+    for s in stmts:
+        yield s
+        if isinstance(s, For):
+            yield from iter_stmts(s.body)
+        elif isinstance(s, If):
+            yield from iter_stmts(s.then)
+            yield from iter_stmts(s.orelse)
 
 
 def stmt_operands(s: Stmt) -> tuple[Expr, ...]:

@@ -19,7 +19,8 @@ import torch
 
 from sextant.errors import SextantError
 from sextant.graph.symbolic import substitute
-from sextant.kernel.ir import Const, For, If, Kernel, Stmt
+from sextant.host import host_amx
+from sextant.kernel.ir import Const, For, If, Kernel, Stmt, TileMatmul, iter_stmts
 from sextant.kernel.sizes import check_binding
 
 KernelFn = Callable[[ctypes.Array, int, int], None]
@@ -80,6 +81,8 @@ def estimate_work(kernel: Kernel) -> int:
                 total += 1 + trips * stmts(s.body)
             elif isinstance(s, If):
                 total += 1 + max(stmts(s.then), stmts(s.orelse))
+            elif isinstance(s, TileMatmul):  # as its expansion: a pair dot per row, strip and pair of K
+                total += s.rows * s.col_tiles * s.k // 2
             else:
                 total += 1
         return total
@@ -99,6 +102,8 @@ class CpuModule:
         self._fns: dict[str, KernelFn] = {name: _CFUNC(addr) for name, addr in addresses.items()}
         self._work = {k.name: estimate_work(k) for k in kernels}
         self._keepalive = keepalive  # the execution engine owns the machine code
+        if any(isinstance(s, TileMatmul) for k in kernels for s in iter_stmts(k.body)):
+            host_amx()  # machine code from the object cache too: Linux grants AMX's state per process
 
     @property
     def llvm_ir(self) -> str:

@@ -10,9 +10,8 @@ import torch.nn as nn
 
 import sextant
 import sextant.schedule.target as target_mod
-from sextant.codegen.simt import iter_stmts
 from sextant.host import host_amx
-from sextant.kernel.ir import TileMatmul
+from sextant.kernel.ir import TileMatmul, iter_stmts
 
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 

@@ -114,8 +114,7 @@ def test_a_small_window_is_unrolled_in_the_k_loop(kernel, trips) -> None:
     """Up to ``MAX_UNROLLED_TAPS`` taps per input channel are unrolled: the k loop runs once per
     channel and each tap's input offset is the channel's plus a constant (no division of k by the
     window size per step — on a 6-wide Intel core that integer work halved the FMA rate)."""
-    from sextant.codegen.simt import iter_stmts
-    from sextant.kernel.ir import For
+    from sextant.kernel.ir import For, iter_stmts
 
     pad = tuple(k // 2 for k in kernel)
     program, got, want = _run(nn.Conv2d(16, 40, kernel, padding=pad), torch.randn(1, 16, 7, 9), 64)

@@ -12,9 +12,8 @@ from torch import nn
 import sextant
 import sextant.schedule.target as target_mod
 from sextant.codegen import cpu_matrix
-from sextant.codegen.simt import iter_stmts
 from sextant.host import host_pair_dot
-from sextant.kernel.ir import PairDot
+from sextant.kernel.ir import PairDot, iter_stmts
 
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
