@@ -103,3 +103,20 @@ def tile_matmul(low: _KernelLowering, s: TileMatmul) -> None:
     for v, (r, t) in zip(new, tiles):
         ptr = at(out_ptr, r * TILE_ROWS * s.cols + t * TILE_ROWS, F32)
         b.call(store, [*shape, ptr, ir.Constant(I64, 4 * s.cols), v])
+
+
+def sapphire_rapids_assembly(kernels: list) -> str:
+    """``kernels`` compiled at O3 for a Sapphire Rapids core (AMX, AVX-512-BF16), on any host: what
+    the tile matmuls become where they run natively (for tests and docs on machines without AMX)."""
+    import llvmlite.binding as llvm
+
+    from sextant.codegen.llvm_cpu import _init_llvm, emit_module
+
+    _init_llvm()
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu="sapphirerapids", features="+amx-tile,+amx-bf16,+avx512f,+avx512bf16", opt=3)
+    mod = llvm.parse_assembly(str(emit_module(kernels, tm, vector_bytes=64, amx=True)))
+    mod.verify()
+    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+    pb.getModulePassManager().run(mod, pb)
+    return tm.emit_assembly(mod)

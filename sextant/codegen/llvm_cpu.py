@@ -142,9 +142,10 @@ def host_target_machine() -> llvm.TargetMachine:
 
 def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None, *,
                 check_races: bool = False, lowerings: list[_KernelLowering] | None = None,
-                vector_bytes: int | None = None, count_accesses: bool = False) -> ir.Module:
+                vector_bytes: int | None = None, count_accesses: bool = False, amx: bool | None = None) -> ir.Module:
     """The unoptimised LLVM module holding ``kernels`` (no JIT); unrolled loops become vectors of
-    ``vector_bytes`` (default: the host's widest registers)."""
+    ``vector_bytes`` (default: the host's widest registers); tile matmuls become AMX instructions
+    when ``amx`` (default: where this process may run them), else pair dots."""
     tm = tm or host_target_machine()
     module = ir.Module("sextant_cpu")
     module.triple = tm.triple
@@ -155,7 +156,7 @@ def emit_module(kernels: Sequence[Kernel], tm: llvm.TargetMachine | None = None,
             raise CodegenError(f"two kernels are named {k.name!r}")
         seen.add(k.name)
         low = _KernelLowering(module, k, check_races, host_vector_bytes() if vector_bytes is None else vector_bytes,
-                              count_accesses)
+                              count_accesses, amx)
         low.emit()
         if lowerings is not None:
             lowerings.append(low)
@@ -278,8 +279,8 @@ def _compile_checked(kernels: Sequence[Kernel]) -> CheckedCpuModule:
 # -- lowering of one kernel ----------------------------------------------------------------------
 class _KernelLowering(LoweringBase):
     def __init__(self, module: ir.Module, kernel: Kernel, check: bool = False, vector_bytes: int = 32,
-                 count: bool = False):
-        if check or count or not cpu_amx.native_amx():  # AMX tiles as pair dots (kernel/tiles.py)
+                 count: bool = False, amx: bool | None = None):
+        if check or count or not (cpu_amx.native_amx() if amx is None else amx):  # as pair dots (kernel/tiles.py)
             kernel = expand_tiles(kernel)
         self.kernel = kernel
         self.plan: SimtPlan = plan_kernel(kernel, mark_barriers=check)

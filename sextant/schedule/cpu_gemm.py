@@ -51,7 +51,6 @@ from sextant.schedule.indexing import (
     may_be_nonzero,
 )
 
-EPI = 1
 RowReader = Callable[[Expr], Expr]  # k -> A's value on one row
 
 
@@ -210,8 +209,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                     guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
                             lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
 
-                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool),
-                        lambda: loop(nr, out_col, "j", unroll=EPI and n_store >= n))
+                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool), lambda: loop(nr, out_col, "j"))
 
             loop(mr, out_row, "r")
 

@@ -853,6 +853,41 @@ def snippet_bf16_pair_kernel() -> str:
 
 
 @functools.cache
+def _amx_linear_kernel():
+    """A bf16 Linear (70 rows, 64 → 96) scheduled for a CPU with AMX (pinned: any host)."""
+    from sextant.schedule.program import schedule
+
+    torch.manual_seed(0)
+    model, x = nn.Linear(64, 96).bfloat16().eval(), torch.randn(70, 64).bfloat16()
+    target = cpu_target(cores=2, vector_bytes=64, pair_dot=True, amx=True)
+    program = schedule(run_pipeline(sextant.capture(model, (x,))), target)
+    return next(k for n, k in program.kernels.items() if n.startswith("matmul"))
+
+
+def snippet_amx_kernel() -> str:
+    """The AMX GEMM's kernel IR: column tiles, row tiles (the last one moved back inside M), one
+    tile matmul each, the epilogue over the local result."""
+    from sextant.kernel.printer import print_kernel
+
+    return print_kernel(_amx_linear_kernel())
+
+
+def snippet_amx_assembly() -> str:
+    """That kernel compiled for Sapphire Rapids: the tile configuration and one k step."""
+    from sextant.codegen.cpu_amx import sapphire_rapids_assembly
+
+    lines = [ln for ln in sapphire_rapids_assembly([_amx_linear_kernel()]).splitlines()
+             if ln.strip() and not ln.strip().startswith((".", "#"))]
+    cfg = next(i for i, ln in enumerate(lines) if "ldtilecfg" in ln)
+    first = next(i for i, ln in enumerate(lines) if "tileloadd" in ln)
+    last = next(i for i in range(first, len(lines)) if "tdpbf16ps" in lines[i] and "tdpbf16ps" not in lines[i + 1])
+    store = next(i for i, ln in enumerate(lines) if "tilestored" in ln)
+    tidy = lambda ln: " ".join(ln.split())
+    return "\n".join([tidy(lines[cfg]), "..."] + [tidy(ln) for ln in lines[first:last + 1]] + ["...",
+                      tidy(lines[store])])
+
+
+@functools.cache
 def _hopper_linear():  # an fp16 Linear + GELU (200 rows, 392 -> 72: ragged everywhere) for sm_90a, through cuda-sim
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(392, 72), nn.GELU()).half().eval()
@@ -987,6 +1022,8 @@ SNIPPETS: dict[str, Callable[[], str]] = {
     "hopper-ptx": snippet_hopper_ptx,
     "hopper-ptxas": snippet_hopper_ptxas,
     "bf16-pair-kernel": snippet_bf16_pair_kernel,
+    "amx-kernel": snippet_amx_kernel,
+    "amx-assembly": snippet_amx_assembly,
     "train-stats": snippet_train_stats,
     "train-forward-return": snippet_train_forward_return,
     "train-backward-graph": snippet_train_backward_graph,

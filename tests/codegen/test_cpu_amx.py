@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from sextant.codegen import compile_kernels, cpu_amx, emit_module
+from sextant.codegen import compile_kernels, cpu_amx
 from sextant.graph.dtypes import DType
 from sextant.host import host_amx
 from sextant.kernel.ir import Assign, Buffer, For, Kernel, Load, Special, Store, TileMatmul, Var, add, c, mul
@@ -71,25 +71,8 @@ def test_expansion_is_pair_dots_over_pairs_of_k():
     assert text.count("pair_dot_x16(") == 2  # one per strip of 16 columns, per row and pair of K
 
 
-def amx_assembly(kern: Kernel, monkeypatch) -> str:
-    """The kernel compiled for a Sapphire Rapids core (AMX), whatever this machine is."""
-    import llvmlite.binding as llvm
-
-    from sextant.codegen.llvm_cpu import _init_llvm
-
-    monkeypatch.setattr(cpu_amx, "native_amx", lambda: True)
-    _init_llvm()
-    tm = llvm.Target.from_default_triple().create_target_machine(
-        cpu="sapphirerapids", features="+amx-tile,+amx-bf16,+avx512f,+avx512bf16", opt=3)
-    mod = llvm.parse_assembly(str(emit_module([kern], tm, vector_bytes=64)))
-    mod.verify()
-    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
-    pb.getModulePassManager().run(mod, pb)
-    return tm.emit_assembly(mod)
-
-
-def test_tile_matmul_compiles_to_amx_tiles(monkeypatch):
-    asm = amx_assembly(tiles_kernel(768), monkeypatch)
+def test_tile_matmul_compiles_to_amx_tiles():
+    asm = cpu_amx.sapphire_rapids_assembly([tiles_kernel(768)])  # whatever this machine is
     assert "ldtilecfg" in asm and "tilerelease" in asm
     assert asm.count("tdpbf16ps") >= 4  # 2×2 accumulators per k step (LLVM may unroll the k loop)
     assert asm.count("tdpbf16ps") % 4 == 0
