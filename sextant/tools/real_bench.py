@@ -234,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.child:
         print(json.dumps(run_model(ns.child, ns.iters, not ns.no_inductor, DTYPES[ns.dtype])))
         return 0
-    from sextant.host import host_pair_dot
+    from sextant.host import host_amx, host_pair_dot
     from sextant.tools.bench import _machine, publish
     from sextant.tools.fma_peak import measure
 
     bf16 = ns.dtype == "bf16"
     # once, before the models, on an idle machine: the peak of the instruction the GEMMs use
-    peak = measure(kind="bf16 dot") if bf16 and host_pair_dot() else measure()
+    peak = (measure(kind="amx") if bf16 and host_amx() else measure(kind="bf16 dot") if bf16 and host_pair_dot()
+            else measure())
     rows = []
     for name in ns.models.split(","):
         print(f"real bench: {name} ...", file=sys.stderr, flush=True)

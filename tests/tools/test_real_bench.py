@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sextant.host import host_pair_dot
+from sextant.host import host_amx, host_pair_dot
 from sextant.tools import real_bench
 from sextant.tools.fma_peak import measure
 
@@ -56,3 +56,27 @@ def test_profile_of_a_small_resnet_in_bf16():
     row = real_bench.run_model("tiny", iters=1, inductor=False, dtype=torch.bfloat16)
     assert row["rel_err"] < 3e-2
     assert row["gemms"] and all(g["gflops"] > 0 for g in row["gemms"])
+
+
+def test_amx_peak_loop_keeps_its_tiles_in_registers():
+    """The AMX peak loop compiled for Sapphire Rapids (whatever the host): four tdpbf16ps a trip and
+    no tile load or store inside the loop."""
+    import llvmlite.binding as llvm
+
+    from sextant.tools.fma_peak import _amx_ir
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu="sapphirerapids",
+                                                                 features="+amx-tile,+amx-bf16", opt=3)
+    asm = tm.emit_assembly(llvm.parse_assembly(_amx_ir()))
+    loop = next(blk.split("\n\tj")[0] for blk in asm.split("\n.LBB") if "tdpbf16ps" in blk)
+    assert loop.count("tdpbf16ps") % 4 == 0 and loop.count("tdpbf16ps") >= 4
+    assert "tileloadd" not in loop and "tilestored" not in loop, loop
+    assert "ldtilecfg" in asm
+
+
+@pytest.mark.skipif(not host_amx(), reason="this CPU has no AMX tiles (or Linux did not grant them)")
+def test_amx_peak_is_measured():
+    peak = measure(seconds=0.05, kind="amx")
+    assert peak.one_core > 1 and "tdpbf16ps" in str(peak)
