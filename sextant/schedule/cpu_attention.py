@@ -32,7 +32,9 @@ Keys past the end are read as the last key and masked (their values staged as 0)
 end are computed from the last row and never stored. A causal mask stops each chunk at its
 diagonal tile and skips a row block's tiles past its diagonal; a tile that a boolean mask hides
 from every row of the chunk (``Attention.masks``: a decode step's keys past its position,
-padding) is not staged, and one it hides from a row block's rows is skipped for that row block.
+padding) is not staged, and one it hides from a row block's rows is skipped for that row block;
+both are found in one pass over the tile's mask, row block by row block (a local ``vis`` flag
+each), rather than once over the chunk and again per row block.
 """
 
 from __future__ import annotations
@@ -154,6 +156,8 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
              Buffer("ob", acc_t, rows_c * dvp, "local"), Buffer("acc", acc_t, rg * max(nk, nv), "local"),
              Buffer("mb", acc_t, rows_c, "local"), Buffer("lb", acc_t, rows_c, "local"),
              Buffer("cb", acc_t, rows_c, "local"), Buffer("red", acc_t, lanes, "local"))
+    if att.masks and per_chunk > 1:  # per row block: whether it sees any key of the tile
+        local += (Buffer("vis", DType.i32, per_chunk, "local"),)
     neg_inf, zero = Const(-math.inf, acc_t), Const(0.0, acc_t)
     half_p = att.probs.dtype if att.probs.dtype != acc_t else None  # P rounded as the product reads it
     ragged_kv = not divisible(n_kv, tile)
@@ -325,8 +329,8 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                     conds = []
                     if att.causal:  # the row block's last query is c0 + rb + br - 1: keys from there on are masked
                         conds.append(Binary("lt", j0, iadd(iadd(c0, rb), c(br)), DType.bool))
-                    if att.masks and per_chunk > 1:
-                        conds.append(visible(j0, rb, c(br)))
+                    if att.masks and per_chunk > 1:  # what the chunk's pass found for this row block
+                        conds.append(Binary("ne", Load("vis", rbk, DType.i32), c(0), DType.bool))
                     if conds:
                         cond = conds[0] if len(conds) == 1 else Binary("bitwise_and", conds[0], conds[1], DType.bool)
                         e.emit(If(cond, tuple(work)))
@@ -334,7 +338,21 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                         e.stmts.extend(work)
                 e.emit(For(rbk, c(0), nrb, 1, tuple(body)))
 
-            if att.masks:  # the whole chunk first: a tile no row sees is not even staged
+            if att.masks and per_chunk > 1:  # the chunk's row blocks first, one pass over the mask: a
+                # tile no row block sees is not even staged, one a row block does not see is skipped for it
+                cond = e.var("any", DType.bool)
+                e.emit(Assign(cond, Const(False, DType.bool)))
+                rbk = e.var("rb")
+                with e.scope() as each:
+                    seen = visible(j0, e.bind(imul(rbk, br), "rbr"), c(br))
+                    e.emit(Store("vis", rbk, Select(seen, c(1), c(0), DType.i32)))
+                    e.emit(Assign(cond, Binary("bitwise_or", cond, seen, DType.bool)))
+                e.emit(For(rbk, c(0), nrb, 1, tuple(each)))
+                with e.scope() as work:
+                    stage(j0)
+                    blocks()
+                e.emit(If(cond, tuple(work)))
+            elif att.masks:  # the whole chunk first: a tile no row sees is not even staged
                 cond = visible(j0, c(0), rows)
                 with e.scope() as work:
                     stage(j0)

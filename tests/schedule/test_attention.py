@@ -309,3 +309,25 @@ def test_cpu_attention_chunks_of_query_rows(heads: int, n_q: int, causal: bool) 
     else:
         assert chunk < n_q
     torch.testing.assert_close(cm(*args), model(*args), rtol=TOL[torch.float32], atol=TOL[torch.float32])
+
+
+def test_cpu_attention_skips_tiles_a_row_block_does_not_see() -> None:
+    """A boolean mask hiding whole key tiles from some row blocks of a chunk (the first rows see
+    only the first keys, the later ones only the last keys): one pass over the mask per tile finds
+    what each row block sees (``vis``); a tile hidden from all is not staged, one hidden from a row
+    block is skipped for it — and the result matches eager."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 300, 32, generator=g)
+    k, v = torch.randn(2, 1, 400, 32, generator=g), torch.randn(2, 1, 400, 32, generator=g)
+    i, j = torch.arange(300)[:, None], torch.arange(400)[None, :]
+    mask = torch.where(i < 150, j < 100, j >= 200).expand(2, 1, 300, 400).clone()
+    mask[1, 0, 7] = False  # a row that sees no key: 0 there, as eager
+    model = Sdpa()
+    cm = sextant.compile(model, (q, k, v, mask), target="cpu", cache=False)
+    (kernel,) = [kn for kn in cm.stages["program"].kernels.values() if kn.meta.get("mapping") == "attention-cpu-flash"]
+    assert kernel.meta["chunk_rows"] > kernel.meta["rows"]  # several row blocks per chunk
+    assert any(b.name == "vis" for b in kernel.local)
+    for _ in range(2):
+        torch.testing.assert_close(cm(q, k, v, mask), model(q, k, v, mask), rtol=TOL[torch.float32],
+                                   atol=TOL[torch.float32])
+        q, k, v = (torch.randn_like(t) for t in (q, k, v))
