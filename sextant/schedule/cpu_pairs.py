@@ -57,10 +57,3 @@ def pair_weight(b: Node, nr: int, n_multiple: int | None = None) -> Node:
     t = g.pad(b, (0,) * (nb + 2), (0,) * nb + (k2 - k, n2 - n)) if (k2, n2) != (k, n) else b
     t = g.reshape(t, (*batch, k2 // 2, 2, n2 // nr, nr))
     return g.permute(t, (*range(nb), nb + 2, nb, nb + 3, nb + 1))
-
-
-def pair_columns(group: Group, target: TargetDesc) -> int:
-    """The micro-tile's columns (``nr``): the f32 GEMM's, so a strip is two vector registers wide."""
-    from sextant.schedule.kernels import micro_tile, narrow_columns
-
-    return narrow_columns(group.anchor.inputs[1].shape[-1], micro_tile(target)[1])

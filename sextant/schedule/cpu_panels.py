@@ -30,7 +30,7 @@ from sextant.graph.ir import Graph, Node
 from sextant.kernel.ir import TILE_ROWS
 from sextant.schedule.cpu_amx import COL_TILES, amx_candidate, uses_amx
 from sextant.schedule.cpu_gemv import uses_gemv
-from sextant.schedule.cpu_pairs import pair_columns, pair_weight, uses_pair_dot
+from sextant.schedule.cpu_pairs import pair_weight, uses_pair_dot
 from sextant.schedule.partition import Group, append_layouts, movement_of_param
 from sextant.schedule.target import TargetDesc
 
@@ -58,6 +58,14 @@ def panel_weight(b: Node, nr: int) -> Node:
     return g.permute(t, (*range(nb), nb + 1, nb, nb + 2))
 
 
+def strip_columns(group: Group, target: TargetDesc) -> int:
+    """Columns of a weight's strip (panels or pairs): the f32 GEMM micro-tile's ``nr``, so a strip is
+    two vector registers wide (narrower for a matrix narrower than that)."""
+    from sextant.schedule.kernels import micro_tile, narrow_columns
+
+    return narrow_columns(group.anchor.inputs[1].shape[-1], micro_tile(target)[1])
+
+
 def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
     """Give every CPU matmul with a constant B its compile-time layout (``Group.packed``): in pairs
     of K for the pair dot product, in panels otherwise. Returns the graph with the layout nodes
@@ -78,5 +86,5 @@ def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
         else:
             continue
         b = g.anchor.inputs[1]
-        layouts.append((g, b, layout(b, pair_columns(g, target))))
+        layouts.append((g, b, layout(b, strip_columns(g, target))))
     return append_layouts(graph, layouts)
