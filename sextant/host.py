@@ -51,4 +51,12 @@ def _request_amx_state() -> bool:
         return False
     sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+    if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0:
+        return True
+    import os
+    import warnings
+
+    err = ctypes.get_errno()
+    warnings.warn(f"this CPU has AMX tiles but Linux refused this process their state (arch_prctl: "
+                  f"{os.strerror(err)}, errno {err}); bf16 GEMMs take the vector path", RuntimeWarning, stacklevel=2)
+    return False

@@ -176,10 +176,14 @@ def _lowering_fingerprint() -> str:
 def kernel_key(kernel: Kernel, tm: llvm.TargetMachine, options: PassOptions, vector_bytes: int) -> str:
     """The cache key of a kernel's object, from its kernel IR (no LLVM IR needs generating to look
     it up): the IR's complete dataclass form, the lowering's source and the vector width, and
-    what ``objects.cache_key`` adds (toolchain, host CPU, pass options)."""
+    what ``objects.cache_key`` adds (toolchain, host CPU, pass options). A kernel holding tile
+    matmuls also keys on whether they become AMX instructions: an AMX CPU whose process Linux
+    refused the tile state must not load another process's native object (a SIGILL)."""
     k = kernel
     ir_form = repr((k.name, k.params, k.grid, k.block, k.body, k.shared, k.local, k.sizes, k.meta.get("grid")))
-    return cache_key(f"kernel-ir {_lowering_fingerprint()} {vector_bytes}\n{ir_form}", tm, options)
+    tiles = any(isinstance(s, TileMatmul) for s in iter_stmts(k.body))
+    lowering = f"{vector_bytes} amx={cpu_amx.native_amx()}" if tiles else f"{vector_bytes}"
+    return cache_key(f"kernel-ir {_lowering_fingerprint()} {lowering}\n{ir_form}", tm, options)
 
 
 def compile_kernels(kernels: Sequence[Kernel], *, check_races: bool | None = None,

@@ -118,3 +118,20 @@ def test_verifier_finds_a_tile_matmul_reading_past_a():
     short = tuple(Buffer("a", BF16, 2 * 32 * 64 - 1) if p.name == "a" else p for p in kern.params)
     with pytest.raises(KernelVerificationError, match="out of bounds"):
         verify_kernel(dataclasses.replace(kern, params=short))
+
+
+def test_object_cache_keys_native_and_expanded_tiles_apart(monkeypatch):
+    """An AMX CPU whose process was refused the tile state must not load a native object another
+    process cached: the key of a kernel with tile matmuls says which lowering it is."""
+    from sextant.codegen.llvm_cpu import host_target_machine, kernel_key
+    from sextant.codegen.objects import DEFAULT_OPTIONS
+
+    tm = host_target_machine()
+    plain = tiles_kernel(64)
+    no_tiles = dataclasses.replace(plain, body=(plain.body[0], plain.body[2]))
+    keys = {}
+    for native in (True, False):
+        monkeypatch.setattr(cpu_amx, "native_amx", lambda native=native: native)
+        keys[native] = (kernel_key(plain, tm, DEFAULT_OPTIONS, 32), kernel_key(no_tiles, tm, DEFAULT_OPTIONS, 32))
+    assert keys[True][0] != keys[False][0]
+    assert keys[True][1] == keys[False][1]
