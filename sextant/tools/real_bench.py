@@ -13,7 +13,8 @@ people deploy, the GEMM and convolution kernels decide. Five models at their rea
 | mobilenet-v2 | MobileNet-V2 (``MobileNetV2Config()``), 224×224, logits (stands in for torchvision's V3) |
 
 Each model runs in its own process: eager, Inductor (``torch.compile``) and sextant's cpu target,
-median of ``--iters`` calls after a warm-up, both cores for every path. Then sextant's program is
+median of ``--iters`` calls after a warm-up, the backends' calls interleaved (one of each per round:
+this VM's speed drifts within minutes), both cores for every path. Then sextant's program is
 profiled launch by launch (``NativeRunner.profile``) and each launch's FLOPs (``report/cost.py``)
 give its achieved GFLOP/s against this CPU's measured fp32 FMA peak (``tools/fma_peak.py``, all
 cores). For the GEMM shapes that take the most time, torch's own ``a @ b`` (MKL) on the same shape
@@ -80,14 +81,19 @@ def _build_f32(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 MODELS = ("resnet50", "bert-base", "vit-b16", "gpt2-small", "mobilenet-v2")
 
 
-def _median_ms(fn: Callable[[], Any], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+def _median_ms(fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+    """Median ms per call of each backend, their calls interleaved (one of each per round, after a
+    warm-up call each): on a shared 2-core VM whose speed drifts by 15–50 % within minutes, timing
+    one backend's ten calls after another's puts the drift into their ratio."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _contraction(program: Any, launch: Any) -> tuple | None:
@@ -119,7 +125,7 @@ def _describe(key: tuple) -> str:
 
 def _mkl_gflops(batch: int, m: int, n: int, k: int, iters: int = 10, dtype: torch.dtype = torch.float32) -> float:
     a, b = torch.randn(batch, m, k, dtype=dtype), torch.randn(batch, k, n, dtype=dtype)
-    ms = _median_ms(lambda: torch.matmul(a, b), iters)
+    ms = _median_ms({"mm": lambda: torch.matmul(a, b)}, iters)["mm"]
     return 2 * batch * m * n * k / (ms * 1e-3) / 1e9
 
 
@@ -130,22 +136,23 @@ def run_model(name: str, iters: int, inductor: bool, dtype: torch.dtype = torch.
     row: dict[str, Any] = {"model": name}
     with torch.no_grad():
         want = model(*args)
-        row["eager_ms"] = _median_ms(lambda: model(*args), iters)
         t0 = time.perf_counter()
         compiled = sextant.compile(model, args, target="cpu", cache=False)
         row["sextant_compile_s"] = time.perf_counter() - t0
         got = compiled(*args)
         row["rel_err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        row["sextant_ms"] = _median_ms(lambda: compiled(*args), iters)
+        fns = {"eager": lambda: model(*args), "sextant": lambda: compiled(*args)}
         if inductor:
             opt = torch.compile(model)
             t0 = time.perf_counter()
             opt(*args)
             row["inductor_compile_s"] = time.perf_counter() - t0
-            row["inductor_ms"] = _median_ms(lambda: opt(*args), iters)
             from torch._inductor.async_compile import shutdown_compile_workers
 
-            shutdown_compile_workers()
+            shutdown_compile_workers()  # their processes would share the cores with the timed calls
+            fns["inductor"] = lambda: opt(*args)
+        for name, ms in _median_ms(fns, iters).items():
+            row[f"{name}_ms"] = ms
     program = compiled.stages["program"]
     per_launch = [s * 1e3 for s in compiled._executor.profile(list(args))]
     costs = program_costs(program)
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"real bench: {name} ...", file=sys.stderr, flush=True)
         rows.append(_child(name, ns))
     text = "\n".join([f"Machine: {_machine()}; {peak}.", "",
-                      f"{ns.dtype}, batch 1; ms: median of {ns.iters} calls after a warm-up. Shares and GFLOP/s come "
+                      f"{ns.dtype}, batch 1; ms: median of {ns.iters} calls after a warm-up, eager's, Inductor's and "
+                      "sextant's calls interleaved (one of each per round). Shares and GFLOP/s come "
                       "from sextant's per-launch profile (each launch's plan row run back to back inside the "
                       "native executor, so with warm caches); *outside the profile* is the rest of a call: the "
                       "per-call overhead (microseconds) and, mostly, what cold caches cost inside a forward — "
