@@ -81,15 +81,17 @@ def _build_f32(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 MODELS = ("resnet50", "bert-base", "vit-b16", "gpt2-small", "mobilenet-v2")
 
 
-def _median_ms(fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
-    """Median ms per call of each backend, their calls interleaved (one of each per round, after a
-    warm-up call each): on a shared 2-core VM whose speed drifts by 15–50 % within minutes, timing
-    one backend's ten calls after another's puts the drift into their ratio."""
-    for fn in fns.values():
-        fn()
+def _median_ms(fns: dict[str, Callable[[], Any]], iters: int, settle: int = 1) -> dict[str, float]:
+    """Median ms per call of each backend, their calls interleaved (rounds of ``settle`` untimed
+    calls and one timed call of each): on a shared 2-core VM whose speed drifts by 15–50 % within
+    minutes, timing one backend's ten calls after another's puts the drift into their ratio. The
+    untimed calls let the previous backend's worker threads (OpenMP's spin-waits, thread pools)
+    wind down before a call is timed."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
+            for _ in range(settle):
+                fn()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -125,7 +127,8 @@ def _describe(key: tuple) -> str:
 
 def _mkl_gflops(batch: int, m: int, n: int, k: int, iters: int = 10, dtype: torch.dtype = torch.float32) -> float:
     a, b = torch.randn(batch, m, k, dtype=dtype), torch.randn(batch, k, n, dtype=dtype)
-    ms = _median_ms({"mm": lambda: torch.matmul(a, b)}, iters)["mm"]
+    torch.matmul(a, b)
+    ms = _median_ms({"mm": lambda: torch.matmul(a, b)}, iters, settle=0)["mm"]
     return 2 * batch * m * n * k / (ms * 1e-3) / 1e9
 
 
