@@ -84,6 +84,9 @@ class Gemm:
     # k steps per trip of the k loop, unrolled (k = trip·k_unroll + t with t a constant): a
     # convolution's taps, whose input offsets are then constants added to the channel's
     k_unroll: int = 1
+    # the epilogue's columns as vector lanes (an unrolled loop, ``codegen/lanes.py``): for stores
+    # contiguous along the columns (a matmul's C); a convolution's NCHW stores stride by a plane
+    vector_epilogue: bool = False
 
 
 def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: Expr) -> Kernel:
@@ -209,7 +212,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                     guarded(Binary("lt", jj, c(n_store), DType.bool) if n_store < n else None,
                             lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
 
-                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool), lambda: loop(nr, out_col, "j"))
+                guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool),
+                        lambda: loop(nr, out_col, "j", unroll=g.vector_epilogue and n_store >= n))
 
             loop(mr, out_row, "r")
 
