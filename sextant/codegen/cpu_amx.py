@@ -12,8 +12,8 @@ pairs of K × 16 columns, 64 bytes apart: the pair dot's layout) and four ``tdpb
 the loop the four accumulators are stored to the statement's f32 local buffer, which the
 epilogue reads as any other.
 
-llvmlite's IR builder has no ``x86_amx`` type; :class:`_Amx` only prints its name, which is all
-the textual IR LLVM parses needs. Linux must grant a process the AMX state before its first tile
+llvmlite's IR builder has no ``x86_amx`` type; a ``scalar_math.NamedType`` prints its name, which is
+all the textual IR LLVM parses needs. Linux must grant a process the AMX state before its first tile
 instruction (``sextant.host.host_amx`` asks, once per process); without the grant the first
 ``ldtilecfg`` is a SIGILL. Without AMX — another CPU, or the checked and counting builds — the
 kernel's tile matmuls were expanded into pair dots before lowering (``kernel/tiles.py``).
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
-from sextant.codegen.scalar_math import F32
+from sextant.codegen.scalar_math import F32, NamedType
 from sextant.host import host_amx
 from sextant.kernel.ir import TILE_K, TILE_ROWS, TileMatmul
 
@@ -36,20 +36,7 @@ I16, I64 = ir.IntType(16), ir.IntType(64)
 ROW_BYTES = 64  # every tile here: 16 rows of 64 bytes
 
 
-class _Amx(ir.Type):
-    """LLVM's ``x86_amx`` (a tile register's value)."""
-
-    def _to_string(self) -> str:
-        return "x86_amx"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Amx)
-
-    def __hash__(self) -> int:
-        return hash("x86_amx")
-
-
-AMX = _Amx()
+AMX = NamedType("x86_amx")  # a tile register's value
 
 
 def native_amx() -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from llvmlite import ir
 
-from sextant.codegen.scalar_math import F32, I32
+from sextant.codegen.scalar_math import F32, I32, NamedType
 from sextant.graph.dtypes import DType
 from sextant.host import host_cpu_features, host_pair_dot
 from sextant.kernel.ir import PairDot
@@ -31,17 +31,7 @@ if TYPE_CHECKING:
 I16 = ir.IntType(16)
 
 
-class _BFloat(ir.Type):
-    """LLVM's ``bfloat``, for the intrinsic's operand types only (never a value's own type)."""
-
-    def _to_string(self) -> str:
-        return "bfloat"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _BFloat)
-
-    def __hash__(self) -> int:
-        return hash("bfloat")
+BFLOAT = NamedType("bfloat")  # for the intrinsic's operand types only
 
 
 def native_pair_dot(lanes: int) -> bool:
@@ -58,7 +48,7 @@ def pair_dot(low: _KernelLowering, s: PairDot) -> None:
 
 def _native(low: _KernelLowering, s: PairDot) -> None:
     b, n = low.b, s.lanes
-    acc_t, pair_t = ir.VectorType(F32, n), ir.VectorType(_BFloat(), 2 * n)
+    acc_t, pair_t = ir.VectorType(F32, n), ir.VectorType(BFLOAT, 2 * n)
     fn = low.math.declare(f"llvm.x86.avx512bf16.dpbf16ps.{32 * n}", acc_t, [acc_t, pair_t, pair_t])
     _, acc_ptr = low._elem_ptr(s.acc, low._value(s.acc_off))
     _, b_ptr = low._elem_ptr(s.b, low._value(s.b_off))

@@ -40,6 +40,25 @@ F64 = ir.DoubleType()
 F16 = ir.HalfType()
 I1, I8, I16, I32, I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 
+
+
+class NamedType(ir.Type):
+    """An LLVM type llvmlite's IR builder lacks (``bfloat``, ``x86_amx``): it only prints its name,
+    which is all the textual IR LLVM parses needs. Never a sextant value's own type."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _to_string(self) -> str:
+        return self.name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NamedType) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("named type", self.name))
+
+
 _REG = {DType.f32: F32, DType.f16: F16, DType.bf16: I16, DType.i32: I32, DType.i64: I64, DType.bool: I1}
 
 

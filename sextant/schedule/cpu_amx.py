@@ -30,7 +30,7 @@ from collections.abc import Container
 
 from sextant.graph.dtypes import DType
 from sextant.graph.ir import Node
-from sextant.kernel.ir import TILE_K, TILE_ROWS, Binary, Buffer, Cast, Expr, For, If, Kernel, Load, TileMatmul, Var
+from sextant.kernel.ir import TILE_K, TILE_ROWS, Binary, Buffer, Expr, For, If, Kernel, Load, TileMatmul, Var
 from sextant.kernel.sizes import with_grid
 from sextant.schedule.cpu_gemm import balanced_rows
 from sextant.schedule.cpu_gemv import uses_gemv
@@ -71,7 +71,7 @@ def uses_amx(group: Group, target: TargetDesc) -> bool:
 
 
 def amx_matmul_kernel(group: Group, stored: set[int], name: str) -> Kernel:
-    from sextant.schedule.kernels import BID, setup_kernel, store_epilogue
+    from sextant.schedule.kernels import BID, matmul_epilogue, setup_kernel
 
     mm = group.anchor
     a, b = mm.inputs
@@ -122,14 +122,12 @@ def amx_matmul_kernel(group: Group, stored: set[int], name: str) -> Kernel:
                 def out_col() -> None:
                     jj = iadd(jt, j)
                     value = Load("tile", iadd(imul(r, cols), j), DType.f32)
-                    e.regs[id(mm)] = e.bind(value if mm.dtype == DType.f32 else Cast(value, mm.dtype), "c")
                     if n % cols == 0:
-                        store_epilogue(e, group, (*bidx, i, jj))
+                        matmul_epilogue(e, group, (*bidx, i, jj), value)
                     else:  # the padded columns of the last tile are computed, not stored
                         with e.scope() as then:
-                            store_epilogue(e, group, (*bidx, i, jj))
+                            matmul_epilogue(e, group, (*bidx, i, jj), value)
                         e.emit(If(Binary("lt", jj, c(n), DType.bool), tuple(then)))
-                    e.regs.pop(id(mm))
 
                 with e.scope() as inner:
                     out_col()

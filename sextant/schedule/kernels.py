@@ -397,6 +397,15 @@ def store_epilogue(e: ValueEmitter, group: Group, idx: Index) -> None:
         e.emit(Store(f"out{k}", lin, e.value(o, oidx)))
 
 
+def matmul_epilogue(e: ValueEmitter, group: Group, idx: Index, value: Expr) -> None:
+    """Store a matmul group's outputs for C's element ``idx``, whose accumulated ``value`` (f32 for
+    half types) is cast to the product's dtype: the fused epilogue of every CPU GEMM mapping."""
+    mm = group.anchor
+    e.regs[id(mm)] = e.bind(value if value.dtype == mm.dtype else Cast(value, mm.dtype), "c")
+    store_epilogue(e, group, idx)
+    e.regs.pop(id(mm))
+
+
 def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     """C[b, i, j] = Σ_k A[b, i, k]·B[b, k, j] with the epilogue fused into the store.
 
@@ -449,9 +458,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
         return [lambda kk, r=r: e.value(a, (*bidx, iadd(i0, c(r)), kk)) for r in range(count)]
 
     def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
-        e.regs[id(mm)] = e.bind(value if acc_t == mm.dtype else Cast(value, mm.dtype), "c")
-        store_epilogue(e, group, (*bidx, i, j))
-        e.regs.pop(id(mm))
+        matmul_epilogue(e, group, (*bidx, i, j), value)
 
     k_block = MATMUL_BLOCK_K if capacity(k) >= MATMUL_BLOCKED_K_FROM else 0
     if uses_pair_dot(group, target):  # B laid out in pairs of K at compile time (cpu_pairs)

@@ -64,25 +64,30 @@ def _ir(lanes: int, kind: str = "fma") -> str:
         k = len(adds)
         adds.append(f"  %s{k} = fadd {vec} {sums[0]}, {sums[1]}")
         sums = sums[2:] + [f"%s{k}"]
+    entry = (f"  %x = load {arg}, ptr %io, align 4\n  %py = getelementptr {vec}, ptr %io, i64 1\n"
+             f"  %y = load {arg}, ptr %py, align 4")
+    done = "\n".join([*adds, f"  store {vec} {sums[0]}, ptr %io, align 4"])
+    return _loop_function(f"declare {decl}", entry, f"{phis}\n{fmas}", done)
+
+
+def _loop_function(decls: str, entry: str, body: str, done: str) -> str:
+    """``void @fma_loop(i64 %n, ptr %io)``: ``entry``, then ``body`` run ``n`` times (its phis
+    refer to ``%entry`` and ``%loop``), then ``done``."""
     return f"""
-declare {decl}
+{decls}
 
 define void @fma_loop(i64 %n, ptr %io) {{
 entry:
-  %x = load {arg}, ptr %io, align 4
-  %py = getelementptr {vec}, ptr %io, i64 1
-  %y = load {arg}, ptr %py, align 4
+{entry}
   br label %loop
 loop:
   %i = phi i64 [ 0, %entry ], [ %i1, %loop ]
-{phis}
-{fmas}
+{body}
   %i1 = add i64 %i, 1
   %more = icmp ult i64 %i1, %n
   br i1 %more, label %loop, label %done
 done:
-{chr(10).join(adds)}
-  store {vec} {sums[0]}, ptr %io, align 4
+{done}
   ret void
 }}
 """
@@ -105,29 +110,11 @@ def _amx_ir() -> str:
     stores = "\n".join(f"  %q{c} = getelementptr i8, ptr %io, i64 {4096 + 1024 * c}\n"
                        f"  call void @llvm.x86.tilestored64.internal({shape}, ptr %q{c}, i64 64, x86_amx %d{c})"
                        for c in range(AMX_ACCS))
-    return f"""
-declare x86_amx @llvm.x86.tilezero.internal(i16, i16)
-declare x86_amx @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)
-declare x86_amx @llvm.x86.tdpbf16ps.internal(i16, i16, i16, x86_amx, x86_amx, x86_amx)
-declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)
-
-define void @fma_loop(i64 %n, ptr %io) {{
-entry:
-{loads}
-{zeros}
-  br label %loop
-loop:
-  %i = phi i64 [ 0, %entry ], [ %i1, %loop ]
-{phis}
-{dots}
-  %i1 = add i64 %i, 1
-  %more = icmp ult i64 %i1, %n
-  br i1 %more, label %loop, label %done
-done:
-{stores}
-  ret void
-}}
-"""
+    decls = "\n".join(["declare x86_amx @llvm.x86.tilezero.internal(i16, i16)",
+                        "declare x86_amx @llvm.x86.tileloadd64.internal(i16, i16, ptr, i64)",
+                        "declare x86_amx @llvm.x86.tdpbf16ps.internal(i16, i16, i16, x86_amx, x86_amx, x86_amx)",
+                        "declare void @llvm.x86.tilestored64.internal(i16, i16, ptr, i64, x86_amx)"])
+    return _loop_function(decls, f"{loads}\n{zeros}", f"{phis}\n{dots}", stores)
 
 
 @cache
