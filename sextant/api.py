@@ -19,6 +19,8 @@ from sextant.graph.symbolic import SymbolicShapeError
 from sextant.kernel.verifier import KernelVerificationError
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.onnx_module import OnnxCompiledModule
+from sextant.schedule.target import TargetDesc
+from sextant.schedule.tuning import TileTable
 
 TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
 # ``progress(stage)`` returns a context manager that brackets one compile stage (for progress
@@ -222,13 +224,15 @@ def _compile_symbolic(captured: Graph, target: str, arch: str | None, pipeline: 
 def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = None,
                   pipeline: str | Sequence[str] = "default", print_after_all: bool = False,
                   stream: TextIO = sys.stdout, progress: StageHook | None = None,
-                  cache_key: str | None = None) -> CompiledModule:
+                  cache_key: str | None = None, tiles: TileTable | None = None) -> CompiledModule:
     """The stages after the frontend, shared by every frontend: graph passes, then ``target``'s backend.
 
     ``captured`` is a verified graph from ``sextant.capture`` or the ONNX frontend; the other
     arguments mean what they mean for :func:`compile`. For a graph with symbolic sizes,
     ``cache_key`` (the compile cache's key of the model and its ``dynamic_shapes``) keys each
     binding's entry in the compile cache; without it the bindings are compiled in memory only.
+    ``tiles``: the GPU targets' tile choices (``schedule/tuning.py``); by default those measured
+    for ``arch`` by ``sextant.tools.tune`` (``runtime/tuning_store.py``), else the cost model's.
     """
     from sextant.graph.bind import is_symbolic_graph
     from sextant.graph.passes import run_pipeline
@@ -243,21 +247,29 @@ def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = No
     if target == "reference":
         return CompiledModule(graph, target, lambda xs: run_graph(graph, xs), stages=stages)
     if target == "cuda-sim":
-        return _compile_cuda_sim(graph, stages, arch or "sm_90", step)
+        return _compile_cuda_sim(graph, stages, arch or "sm_90", step, tiles)
     if target == "cuda":
-        return _compile_cuda(graph, stages, arch, step)
+        return _compile_cuda(graph, stages, arch, step, tiles)
     return _compile_cpu(graph, stages, step)
 
 
-def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: StageHook) -> CompiledModule:
+def _gpu_target(arch: str, tiles: TileTable | None) -> TargetDesc:
+    """The schedule's target for ``arch``: tf32 as torch allows it, the tile choices given or stored."""
+    from sextant.runtime.tuning_store import load_table
+    from sextant.schedule.target import gpu_target
+
+    return gpu_target(arch, tf32=allow_tf32(), tiles=load_table(arch) if tiles is None else tiles)
+
+
+def _compile_cuda_sim(graph: Graph, stages: dict[str, Any], arch: str, step: StageHook,
+                      tiles: TileTable | None = None) -> CompiledModule:
     from sextant.codegen.llvm_cpu import compile_kernels
     from sextant.codegen.llvm_nvptx import emit_ptx
     from sextant.runtime.program_runner import ProgramRunner
     from sextant.schedule.program import schedule
-    from sextant.schedule.target import gpu_target
 
     with step("schedule"):
-        program = schedule(graph, gpu_target(arch, tf32=allow_tf32()))
+        program = schedule(graph, _gpu_target(arch, tiles))
     kernels = list(program.kernels.values())
     with step("nvptx"):
         ptx = emit_ptx(kernels, arch=arch)
@@ -283,19 +295,19 @@ def _assemble(program: Any, kernels: list, ptx: Any) -> tuple[list, Any, Any]:
     return kernels, ptx, assembled
 
 
-def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: StageHook) -> CompiledModule:
+def _compile_cuda(graph: Graph, stages: dict[str, Any], arch: str | None, step: StageHook,
+                  tiles: TileTable | None = None) -> CompiledModule:
     """As cuda-sim up to the PTX; then ptxas's cubin is loaded when ptxas is installed (else the
     driver JIT-compiles the PTX) and the kernels run on the GPU (see sextant/runtime/cuda.py)."""
     from sextant.codegen.llvm_nvptx import emit_ptx
     from sextant.codegen.ptxas import PtxasError
     from sextant.runtime.cuda import device_arch, load_runner, require_cuda
     from sextant.schedule.program import schedule
-    from sextant.schedule.target import gpu_target
 
     device = require_cuda()
     arch = arch or device_arch(device)
     with step("schedule"):
-        program = schedule(graph, gpu_target(arch, tf32=allow_tf32()))
+        program = schedule(graph, _gpu_target(arch, tiles))
     with step("nvptx"):
         ptx = emit_ptx(list(program.kernels.values()), arch=arch)
     stages.update(program=program, ptx=ptx)

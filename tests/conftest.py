@@ -14,6 +14,8 @@ os.environ.setdefault("SEXTANT_COMPILE_CACHE", "0")
 # worker that has run torch (its thread pools, Inductor's compile workers) can inherit a held
 # lock and hang — seen in the fresh-clone CI; the forked path has its own tests (test_objects.py)
 os.environ.setdefault("SEXTANT_COMPILE_JOBS", "1")
+# measured tile choices (tools/tune.py) stay out of tests unless a test opts in with its own store
+os.environ.setdefault("SEXTANT_TUNING", "0")
 
 
 @pytest.fixture(autouse=True)

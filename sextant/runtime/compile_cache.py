@@ -10,7 +10,8 @@ The key must be known *before* capture (capture is what the cache saves), so it 
 decides the captured graph: the source files of every module class in the model, each module's
 plain attributes (hyperparameters, a transformers config), the training flags, every parameter
 and buffer (names, shapes, dtypes and bytes), the inputs' structure, shapes, dtypes and
-non-tensor values, the target, arch and pipeline, and the versions of torch and of sextant's own
+non-tensor values, the target, arch and pipeline, the GPU targets' measured tile choices
+(``runtime/tuning_store.py``), and the versions of torch and of sextant's own
 source. A model whose ``forward`` calls code in other files that changes between runs is not seen
 by the key — turn the cache off while editing such code. A module the key cannot fingerprint (no
 source file) is simply not cached.
@@ -99,6 +100,10 @@ def key(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, 
     put(f"sextant-compiled-{FORMAT}", _sextant_fingerprint(), torch.__version__, target, arch,
         pipeline if isinstance(pipeline, str) else ",".join(pipeline),
         f"tf32={torch.backends.cuda.matmul.allow_tf32}")  # changes the GPU targets' f32 matmuls
+    if target != "cpu":
+        from sextant.runtime.tuning_store import fingerprint
+
+        put("tiles", fingerprint())  # measured tile choices (tools/tune.py) change the GPU kernels
     for name, m in module.named_modules():
         cls = type(m)
         try:

@@ -43,7 +43,7 @@ from sextant.schedule.gpu_kernels import (
     _grid,
     gpu_direct_conv_kernel,
 )
-from sextant.schedule.gpu_mma import TC_DTYPES, Operand, choose_tile, emit_mma_gemm, sm_version
+from sextant.schedule.gpu_mma import TC_DTYPES, Operand, emit_mma_gemm, sm_version, tuned_tile
 from sextant.schedule.gpu_wgmma_conv import gpu_wgmma_conv_kernel, uses_wgmma_conv
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, imul, may_be_nonzero
 from sextant.schedule.kernels import setup_kernel, store_epilogue
@@ -107,12 +107,13 @@ def gpu_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: st
     positions, k = nb * math.prod(osp), cin_g * math.prod(ksp)
     e, params, _ = setup_kernel(group, stored)
     tensor_cores = conv_uses_tensor_cores(group, target)
-    tc_tile = choose_tile(cout_g, capacity(positions), groups, target) if tensor_cores else None  # the largest batch
+    tc_tile, chosen = (tuned_tile("conv-mma", cout_g, capacity(positions), k, groups, cv.dtype, target)
+                       if tensor_cores else (None, {}))  # for the largest batch
     bm_, bn_ = (tc_tile.bm, tc_tile.bn) if tc_tile else (MM_TILE_M, MM_TILE_N)
     grid, (bn, bm, g) = _grid(e, (-(-positions // bn_), -(-cout_g // bm_), groups))
     if tc_tile is not None:
         meta = {"mapping": "tensor-core-implicit-gemm", **tc_tile.meta(), "gemm": (cout_g, positions, k),
-                "groups": groups, "mma": "m16n8k16." + cv.dtype.value}
+                "groups": groups, "mma": "m16n8k16." + cv.dtype.value, **chosen}
     else:
         meta = {"mapping": "implicit-gemm", "tile": (MM_TILE_M, MM_TILE_N, MM_TILE_K),
                 "micro_tile": (MM_MICRO_M, MM_MICRO_N), "gemm": (cout_g, positions, k), "groups": groups}

@@ -61,6 +61,7 @@ from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize,
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
+from sextant.schedule.tuning import TileProblem, pick
 from sextant.schedule.views import chunked
 
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
@@ -97,6 +98,11 @@ class TcTile:
 
     def shared_elems(self) -> tuple[int, int]:
         return self.bm * (self.bk + PAD), self.bk * (self.bn + PAD)
+
+    @property
+    def name(self) -> str:
+        """How a tuning table names the candidate: ``128x128x64/w2x4/s2``."""
+        return f"{self.bm}x{self.bn}x{self.bk}/w{self.wm}x{self.wn}/s{self.stages}"
 
     def meta(self) -> dict:
         """What a kernel built on this tile records: its shape, and ``max_registers`` (ptxas's
@@ -191,6 +197,14 @@ def choose_tile(m: int, n: int, batch: int, target: TargetDesc,
                 candidates: tuple[TcTile, ...] = CANDIDATES, itemsize: int = 2) -> TcTile:
     """The candidate the cost model ranks first (``schedule/gemm_cost.py``)."""
     return rank_tiles(m, n, batch, target, candidates, itemsize)[0][1]
+
+
+def tuned_tile(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType, target: TargetDesc,
+               candidates: tuple[TcTile, ...] = CANDIDATES) -> tuple[TcTile, dict]:
+    """The tile of this problem: the target's tuning table's choice (``schedule/tuning.py``), else
+    the cost model's; with the meta its kernel records (the problem, the candidates)."""
+    problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
+    return pick(problem, target.tiles, candidates, choose_tile(m, n, batch, target, candidates, dtype.itemsize))
 
 
 @dataclass(frozen=True)
@@ -448,10 +462,11 @@ def staged_epilogue(e: ValueEmitter, tile: TcTile, m: int, n: int, i0: Expr, j0:
 
 def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str, tile: TcTile,
                               emit: Callable[..., tuple[list[Buffer], tuple[Buffer, ...]]], mapping: str,
-                              mma: str) -> Kernel:
+                              mma: str, chosen: dict | None = None) -> Kernel:
     """A matmul group as one tensor-core GEMM per ``tile`` of C: the grid, the operands
     (``gemm_operands``) and the fused epilogue around ``emit`` (``emit_mma_gemm`` or the tf32 body,
-    called as ``emit(e, tile, m, n, k, bm, bn, a, b, epilogue)``)."""
+    called as ``emit(e, tile, m, n, k, bm, bn, a, b, epilogue)``); ``chosen``: how the tile was
+    chosen (``tuning.pick``'s meta)."""
     mm = group.anchor
     a, b = mm.inputs
     *batch, m, k = a.shape
@@ -469,7 +484,7 @@ def tensor_core_matmul_kernel(group: Group, stored: set[int], target: TargetDesc
 
     shared, local = emit(e, tile, m, n, k, bm, bn, a_op, b_op, epilogue, out_dtype=mm.dtype)
     _check_shared(name, shared, target)
-    meta = {"mapping": mapping, **tile.meta(), "mma": mma}
+    meta = {"mapping": mapping, **tile.meta(), "mma": mma, **(chosen or {})}
     return with_grid(Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts),
                             shared=tuple(shared), local=local, meta=meta), grid)
 
@@ -479,9 +494,12 @@ def gpu_mma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, na
     (*batch, m, _), n, dt = mm.inputs[0].shape, mm.shape[-1], mm.inputs[0].dtype
     if accum_dtype(mm.dtype) != DType.f32:
         raise ValueError(f"kernel {name}: tensor cores accumulate in f32, not {accum_dtype(mm.dtype).value}")
-    tile = choose_tile(capacity(m), capacity(n), capacity(math.prod(batch)), target)  # for the largest sizes
+    k = mm.inputs[0].shape[-1]
+    tile, chosen = tuned_tile("mma", capacity(m), capacity(n), capacity(k), capacity(math.prod(batch)), dt,
+                              target)  # for the largest sizes
 
     def emit(e: ValueEmitter, tile: TcTile, *rest: object, **kw: object) -> tuple[list[Buffer], tuple[Buffer, ...]]:
         return emit_mma_gemm(e, tile, dt, *rest, **kw)  # type: ignore[arg-type]
 
-    return tensor_core_matmul_kernel(group, stored, target, name, tile, emit, "tensor-core", "m16n8k16." + dt.value)
+    return tensor_core_matmul_kernel(group, stored, target, name, tile, emit, "tensor-core", "m16n8k16." + dt.value,
+                                     chosen)

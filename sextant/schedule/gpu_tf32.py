@@ -40,11 +40,11 @@ from sextant.schedule.gpu_kernels import TID_X, _strided_loop
 from sextant.schedule.gpu_mma import (
     Operand,
     TcTile,
-    choose_tile,
     pipelined_k_loop,
     store_accumulators,
     tensor_core_matmul_kernel,
     tensor_core_product,
+    tuned_tile,
 )
 from sextant.schedule.indexing import ValueEmitter, c, iadd, idiv, imod, imul
 from sextant.schedule.partition import Group
@@ -112,6 +112,8 @@ def emit_tf32_gemm(e: ValueEmitter, tile: TcTile, m: int, n: int, k: int, bm: Ex
 def gpu_tf32_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     mm = group.anchor
     (*batch, m, _), n = mm.inputs[0].shape, mm.shape[-1]
-    tile = choose_tile(capacity(m), capacity(n), capacity(math.prod(batch)), target, CANDIDATES, itemsize=4)
+    k = mm.inputs[0].shape[-1]
+    tile, chosen = tuned_tile("tf32", capacity(m), capacity(n), capacity(k), capacity(math.prod(batch)),
+                              mm.inputs[0].dtype, target, CANDIDATES)
     return tensor_core_matmul_kernel(group, stored, target, name, tile, emit_tf32_gemm, "tensor-core-tf32",
-                                     "m16n8k8.tf32")
+                                     "m16n8k8.tf32", chosen)

@@ -73,6 +73,7 @@ from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
 from sextant.schedule.tma import SWIZZLE, HeadsOperand, TmaOperand, heads_operand, tma_operand
+from sextant.schedule.tuning import TileProblem, pick
 
 BK = 64  # one 128-byte swizzled row of f16/bf16
 ATOM = 1024  # bytes: 8 rows of 128
@@ -96,6 +97,11 @@ class WgTile:
     @property
     def threads(self) -> int:
         return (self.consumers + self.producer) * WARPGROUP
+
+    @property
+    def name(self) -> str:
+        """How a tuning table names the candidate: ``128x256/s4/ws`` (``ws``: warp-specialised)."""
+        return f"{self.bm}x{self.bn}/s{self.stages}" + ("/ws" if self.producer else "")
 
     def meta(self) -> dict:
         return {"tile": (self.bm, self.bn, BK), "warpgroups": self.consumers, "stages": self.stages,
@@ -165,6 +171,19 @@ def choose_wg_tile(m: int, n: int) -> WgTile:
     return min(fits, key=lambda t: t.bn) if fits else max(rows, key=lambda t: t.bn)
 
 
+def wg_candidates(m: int) -> tuple[WgTile, ...]:
+    """The tiles a product of ``m`` rows may use: every candidate, but only 64-row tiles when
+    ``m ≤ 64`` (a 128-row tile would compute half its rows for nothing)."""
+    return tuple(t for t in CANDIDATES if m > WGMMA_M or t.bm == WGMMA_M)
+
+
+def tuned_wg_tile(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType,
+                  target: TargetDesc) -> tuple[WgTile, dict]:
+    """The tile of this problem: the target's tuning table's choice, else :func:`choose_wg_tile`'s."""
+    problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
+    return pick(problem, target.tiles, wg_candidates(m), choose_wg_tile(m, n))
+
+
 def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
     """The matmul group as a wgmma + TMA GEMM, or None when its operands are not TMA-describable."""
     mm = group.anchor
@@ -182,7 +201,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     if isinstance(src_a, HeadsOperand):
         flat = mm.type.rank == 2 and src_a.batch is not None
         m, batch = src_a.n, src_a.batch[0] if src_a.batch else batch
-    tile = choose_wg_tile(m, n)
+    tile, chosen = tuned_wg_tile("wgmma", m, n, k, batch, dt, target)
     S, bm_, bn_ = tile.stages, tile.bm, tile.bn
     size = dt.itemsize
     a_stage, b_stage = bm_ * BK, bn_ * BK  # elements per stage
@@ -243,7 +262,7 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     shared = [Buffer("sA", dt, S * a_stage, "shared"), Buffer("sB", dt, S * b_stage, "shared"),
               Buffer("bar", DType.i64, 2 * S if tile.producer else S, "shared")]
     _check_shared(name, shared, target)
-    meta = {"mapping": "wgmma-tma", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}"}
+    meta = {"mapping": "wgmma-tma", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}", **chosen}
     if tile.producer:
         meta["registers"] = {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS}
         meta["max_registers"] = min(launch_registers(tile.threads), CONSUMER_REGS)  # inc never lowers

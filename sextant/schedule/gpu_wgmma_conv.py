@@ -81,9 +81,9 @@ from sextant.schedule.gpu_wgmma import (
     WgTile,
     _mainloop,
     _specialized,
-    choose_wg_tile,
     is_sm90a,
     store_d_fragment,
+    tuned_wg_tile,
     zero_accumulators,
 )
 from sextant.schedule.indexing import c, delinearize, divisible, iadd, idiv, imod, imul, may_be_nonzero
@@ -107,15 +107,17 @@ def uses_wgmma_conv(group: Group, target: TargetDesc) -> bool:
             and w.shape[0] // cv.attr("groups") >= CONV_GEMM_MIN_CHANNELS and math.prod(w.shape[1:]) > 8)
 
 
-def conv_wg_tile(positions: int, channels: int) -> WgTile:
-    """The GEMM's tile for ``positions × channels``, narrowed to the channels (rounded up to
-    wgmma's multiple of 8) when there are fewer than 64."""
-    tile = choose_wg_tile(positions, channels)
+def conv_wg_tile(positions: int, channels: int, k: int, groups: int, dtype: DType,
+                 target: TargetDesc) -> tuple[WgTile, dict]:
+    """The GEMM's tile for ``positions × channels`` (tuned, else ``choose_wg_tile``'s), narrowed
+    to the channels (rounded up to wgmma's multiple of 8) when there are fewer than 64; with the
+    meta of the choice."""
+    tile, chosen = tuned_wg_tile("conv-wgmma", positions, channels, k, groups, dtype, target)
     narrow = -(-channels // 8) * 8
     if narrow < tile.bn:
         tile = WgTile(tile.bm, narrow, tile.stages, tile.producer)
     assert wgmma_n_ok(tile.bn), tile
-    return tile
+    return tile, chosen
 
 
 def weight_matrix(cv: Node) -> Node | None:
@@ -166,7 +168,7 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
     if id(wt) not in e.buffers or (pitch * dt.itemsize) % 16:
         return None
     weights = TmaOperand(e.buffers[id(wt)], int(w.shape[0]), pitch, pitch, (), ())
-    tile = conv_wg_tile(m, cout_g)
+    tile, chosen = conv_wg_tile(m, cout_g, k, groups, dt, target)
     S, bm_, bn_ = tile.stages, tile.bm, tile.bn
     b_stage = bn_ * BK
     grid, (bn, bm, g) = _grid(e, (-(-cout_g // bn_), -(-m // bm_), groups))
@@ -272,7 +274,7 @@ def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, na
     bars = 2 * S if tile.producer else S
     shared = [Buffer("sB", dt, S * b_stage, "shared"), Buffer("bar", DType.i64, bars, "shared")]
     _check_shared(name, shared, target)
-    meta = {"mapping": "wgmma-tma-implicit-gemm", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}",
+    meta = {"mapping": "wgmma-tma-implicit-gemm", **tile.meta(), "mma": f"m64n{bn_}k16.{dt.value}", **chosen,
             "gemm": (m, cout_g, k), "groups": groups, "a": "im2col in registers"}
     if tile.producer:
         meta["registers"] = {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS}

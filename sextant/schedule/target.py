@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from sextant.host import host_amx, host_pair_dot, host_vector_bytes
+from sextant.schedule.tuning import NO_TILES, TileTable
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class TargetDesc:
     tf32: bool = False  # f32 matmuls may use tf32 tensor cores (torch.backends.cuda.matmul.allow_tf32)
     pair_dot: bool = False  # bf16 GEMMs on weights multiply pairs of K into f32 (kernel.ir.PairDot; AVX-512-BF16)
     amx: bool = False  # bf16 GEMMs on weights run on AMX tiles (kernel.ir.TileMatmul; schedule/cpu_amx.py)
+    tiles: TileTable = NO_TILES  # measured GEMM/conv tile choices (schedule/tuning.py; tools/tune.py)
 
     @property
     def vector_width_f32(self) -> int:
@@ -63,17 +65,19 @@ def max_shared_bytes(sm: int) -> int:
     return _SHARED.get(sm, 48 * 1024)
 
 
-def gpu_target(arch: str = "sm_90", tf32: bool = False) -> TargetDesc:
+def gpu_target(arch: str = "sm_90", tf32: bool = False, tiles: TileTable = NO_TILES) -> TargetDesc:
     """The GPU target for ``arch`` (``sm_80``, ``sm_90``, ``sm_90a``, ...): the same mappings, with the
     SM count of that generation's data-centre part (unknown architectures get Hopper's). ``tf32``:
-    f32 matmuls may run on tf32 tensor cores (``schedule/gpu_tf32.py``); off, they are exact fp32."""
+    f32 matmuls may run on tf32 tensor cores (``schedule/gpu_tf32.py``); off, they are exact fp32.
+    ``tiles``: measured tile choices that override the cost model's (``schedule/tuning.py``)."""
     digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
     if not arch.startswith("sm_") or not digits:
         raise ValueError(f"unknown GPU architecture {arch!r}; expected e.g. 'sm_80' or 'sm_90'")
     base = sm90_target()
     shared = max_shared_bytes(int(digits))
     return TargetDesc(arch, cores=_SMS.get(int(digits), base.cores), warp=base.warp, shared_bytes=shared,
-                      vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True, tf32=tf32)
+                      vector_bytes=base.vector_bytes, max_threads=base.max_threads, is_gpu=True, tf32=tf32,
+                      tiles=tiles)
 
 
 

@@ -42,7 +42,7 @@ def _mappings(cm: object) -> set[str]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ragged_matmul_with_epilogue_matches_eager(dtype: torch.dtype, tile: gpu_mma.TcTile,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target: tile)
+    monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, *a: tile)
     torch.manual_seed(0)
     model = Epilogue(130, 150).to(dtype)
     x, r = torch.randn(2, 133, 130).to(dtype), torch.randn(2, 133, 150).to(dtype)
@@ -72,7 +72,7 @@ def test_tensor_core_kernels_assemble_without_spills(arch: str, dtype: torch.dty
     from sextant.codegen.sass import disassemble, find_disassembler
 
     for tile in gpu_mma.CANDIDATES:
-        monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, tile=tile: tile)
+        monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, *a, tile=tile: tile)
         model, x = MLP(64, 256).to(dtype), torch.randn(4, 64, 64).to(dtype)
         cm = sextant.compile(model, (x,), target="cuda-sim", arch=arch, cache=False)
         ptx = cm.stages["ptx"].ptx

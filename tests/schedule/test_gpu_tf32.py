@@ -80,11 +80,11 @@ def test_linear_layers_stage_the_weight_as_nxk(tf32_allowed: None) -> None:
 def test_tf32_kernels_assemble_without_spills(arch: str, tf32_allowed: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from sextant.codegen.ptxas import assemble
     from sextant.codegen.sass import disassemble, find_disassembler
-    from sextant.schedule import gpu_tf32
+    from sextant.schedule import gpu_mma, gpu_tf32
 
     a, b = torch.randn(1024, 256), torch.randn(256, 512)
     for tile in gpu_tf32.CANDIDATES:
-        monkeypatch.setattr(gpu_tf32, "choose_tile", lambda *args, tile=tile, **kw: tile)
+        monkeypatch.setattr(gpu_mma, "choose_tile", lambda *args, tile=tile, **kw: tile)  # tuned_tile calls it
         cm = sextant.compile(Epilogue(), (a, b), target="cuda-sim", arch=arch, cache=False)
         ptx = cm.stages["ptx"].ptx
         assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx

@@ -21,7 +21,7 @@ from .half_models import MLP, TOL, eager_f32
 def _starved(monkeypatch: pytest.MonkeyPatch, registers: int) -> None:
     """Every GEMM on the 64×64 tile with too small a budget for its accumulators."""
     tile = dataclasses.replace(gpu_mma.CANDIDATES[-1], registers=registers)
-    monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target: tile)
+    monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, *a: tile)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
