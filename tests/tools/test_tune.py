@@ -190,3 +190,17 @@ def test_problems_of_a_conv_net_on_both_mappings() -> None:
         assert {p.mapping for p in found} == {mapping}, found
         ks = sorted(p.k for p in found)
         assert ks == [32, 144], found  # 32 channels × 1×1, 16 × 3×3
+
+
+def test_dry_run_command_checks_without_storing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("SEXTANT_TUNING", str(tmp_path / "store"))
+    monkeypatch.delenv("OUT", raising=False)
+    assert tune.main(["--dry-run", "--cases", "matmul-4096-fp16", "--out", str(tmp_path / "t.md")]) == 0
+    text = (tmp_path / "t.md").read_text()
+    assert "(dry run: checked, not timed)" in text and text in capsys.readouterr().out
+    assert "| wgmma/sm_90a/f16/64x64x64*1 | 1 | 64x64/s4 | — | 2/2 match eager |" in text
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(SystemExit):
+        tune.main(["--dry-run", "--cases", "no-such-case"])
+    assert "unknown or non-forward cases ['no-such-case']" in capsys.readouterr().err
