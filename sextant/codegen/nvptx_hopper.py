@@ -122,16 +122,22 @@ def wgmma_sync(low: _Lowering, s: WgmmaFence | WgmmaCommit | WgmmaWait) -> None:
         call_intrinsic(low, "llvm.nvvm.wgmma.commit_group.sync.aligned", ir.VoidType(), [])
         return
     b = low.b
-    ptrs = [p for name in s.accs for p in _acc_ptrs(low, name, low._i32(0), low.kernel.buffer(name).size)]
+    # every register of the named buffers (f32 accumulators; an i32 one holds a value whose uses
+    # must stay below the wait, e.g. a persistent GEMM's tile index) passes through the wait, tied
+    ptrs: list[tuple[ir.Value, ir.Type, str]] = []
+    for name in s.accs:
+        buf = low.kernel.buffer(name)
+        typ, letter = (F32, "f") if buf.dtype == DType.f32 else (I32, "r")
+        ptrs += [(p, typ, letter) for p in _acc_ptrs(low, name, low._i32(0), buf.size)]
     if not ptrs:
         call_intrinsic(low, "llvm.nvvm.wgmma.wait_group.sync.aligned", ir.VoidType(), [ir.Constant(I64, s.pending)])
         return
     n = len(ptrs)
-    fnty = ir.FunctionType(ir.LiteralStructType([F32] * n), [F32] * n)
-    cons = ",".join(["=f"] * n + [str(i) for i in range(n)])
+    fnty = ir.FunctionType(ir.LiteralStructType([t for _, t, _ in ptrs]), [t for _, t, _ in ptrs])
+    cons = ",".join([f"={letter}" for _, _, letter in ptrs] + [str(i) for i in range(n)])
     asm = ir.InlineAsm(fnty, f"wgmma.wait_group.sync.aligned {s.pending};", cons, side_effect=True)
-    res = b.call(asm, [b.load(p, typ=F32) for p in ptrs])
-    for i, p in enumerate(ptrs):
+    res = b.call(asm, [b.load(p, typ=t) for p, t, _ in ptrs])
+    for i, (p, _, _) in enumerate(ptrs):
         b.store(b.extract_value(res, i), p)
 
 

@@ -371,7 +371,9 @@ class WgmmaCommit:
 class WgmmaWait:
     """``wgmma.wait_group``: wait until at most ``pending`` groups are in flight. ``accs`` names the
     accumulator buffers of the wgmmas it waits for: the GPU lowering passes them through the wait
-    (tied registers), so no read of them can move above it."""
+    (tied registers), so no read of them can move above it. A local ``i32`` buffer named there
+    passes through too: what is computed from it stays below the wait (a persistent GEMM's
+    epilogue addresses — LLVM sank them above it, and ptxas then serialised the wgmmas, C7514)."""
 
     pending: int
     accs: tuple[str, ...]

@@ -66,9 +66,9 @@ from sextant.kernel.ir import (
 from sextant.kernel.sizes import with_grid
 from sextant.kernel.wgmma import WARPGROUP, WGMMA_M, launch_registers
 from sextant.schedule.attention_match import at
-from sextant.schedule.gpu_kernels import TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
+from sextant.schedule.gpu_kernels import BID_X, TID_X, _and, _bool, _check_shared, _grid, _guarded, _strided_loop
 from sextant.schedule.gpu_mma import TC_DTYPES, half_product
-from sextant.schedule.indexing import ValueEmitter, c, divisible, iadd, idiv, imod, imul
+from sextant.schedule.indexing import INDEX, ValueEmitter, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
@@ -89,6 +89,9 @@ class WgTile:
     bn: int
     stages: int
     producer: bool = False
+    # persistent (warp-specialised GEMMs only): one block per SM walks a list of output tiles in
+    # grouped order, the producer loading the next tile's stages while the consumers store this one's
+    persistent: bool = False
 
     @property
     def consumers(self) -> int:
@@ -101,11 +104,12 @@ class WgTile:
     @property
     def name(self) -> str:
         """How a tuning table names the candidate: ``128x256/s4/ws`` (``ws``: warp-specialised)."""
-        return f"{self.bm}x{self.bn}/s{self.stages}" + ("/ws" if self.producer else "")
+        return f"{self.bm}x{self.bn}/s{self.stages}" + ("/ws" if self.producer else "") + (
+            "/p" if self.persistent else "")
 
     def meta(self) -> dict:
         return {"tile": (self.bm, self.bn, BK), "warpgroups": self.consumers, "stages": self.stages,
-                "warp_specialized": self.producer}
+                "warp_specialized": self.producer, **({"persistent": True} if self.persistent else {})}
 
 
 # Warp-specialised 128 × 256 (× 128 or × 64 when N is small: no tile column wasted on a narrow
@@ -113,7 +117,9 @@ class WgTile:
 # warpgroup and two consumers of 64 rows each; one warpgroup of 64 rows, not specialised, for
 # problems whose M is small.
 CANDIDATES = (WgTile(128, 256, 4, True), WgTile(128, 128, 4, True), WgTile(128, 64, 4, True),
-              WgTile(64, 128, 4), WgTile(64, 64, 4))
+              WgTile(64, 128, 4), WgTile(64, 64, 4),
+              WgTile(128, 256, 4, True, persistent=True), WgTile(128, 128, 4, True, persistent=True))
+GROUP_M = 8  # a persistent GEMM walks its tiles 8 row tiles at a time down each column (L2 reuse of B)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128·40 + 256·232 ≤ the SM's 65,536 registers
 
 
@@ -166,22 +172,24 @@ def reads_weight_in_place(group: Group, target: TargetDesc) -> bool:
 
 def choose_wg_tile(m: int, n: int) -> WgTile:
     """The narrowest candidate whose N covers the product (or the widest), at the product's M."""
-    rows = [t for t in CANDIDATES if (t.bm == WGMMA_M) == (m <= WGMMA_M)]
+    rows = [t for t in CANDIDATES if (t.bm == WGMMA_M) == (m <= WGMMA_M) and not t.persistent]
     fits = [t for t in rows if t.bn >= n]
     return min(fits, key=lambda t: t.bn) if fits else max(rows, key=lambda t: t.bn)
 
 
-def wg_candidates(m: int) -> tuple[WgTile, ...]:
+def wg_candidates(m: int, persistent: bool = True) -> tuple[WgTile, ...]:
     """The tiles a product of ``m`` rows may use: every candidate, but only 64-row tiles when
-    ``m ≤ 64`` (a 128-row tile would compute half its rows for nothing)."""
-    return tuple(t for t in CANDIDATES if m > WGMMA_M or t.bm == WGMMA_M)
+    ``m ≤ 64`` (a 128-row tile would compute half its rows for nothing); the persistent ones
+    where the mapping has a persistent form (``persistent``)."""
+    return tuple(t for t in CANDIDATES if (m > WGMMA_M or t.bm == WGMMA_M) and (persistent or not t.persistent))
 
 
 def tuned_wg_tile(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType,
-                  target: TargetDesc) -> tuple[WgTile, dict]:
-    """The tile of this problem: the target's tuning table's choice, else :func:`choose_wg_tile`'s."""
+                  target: TargetDesc, persistent: bool = True) -> tuple[WgTile, dict]:
+    """The tile of this problem: the target's tuning table's choice, else :func:`choose_wg_tile`'s
+    (never persistent: the persistent tiles are chosen by measurement only)."""
     problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
-    return pick(problem, target.tiles, wg_candidates(m), choose_wg_tile(m, n))
+    return pick(problem, target.tiles, wg_candidates(m, persistent), choose_wg_tile(m, n))
 
 
 def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
@@ -206,8 +214,14 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     size = dt.itemsize
     a_stage, b_stage = bm_ * BK, bn_ * BK  # elements per stage
     tx = (bm_ + bn_) * BK * size
-    grid, (bn, bm, bz) = _grid(e, (-(-n // bn_), -(-m // bm_), batch))
-    i0, j0 = e.bind(imul(bm, bm_), "i0"), e.bind(imul(bn, bn_), "j0")
+    tiles = (-(-n // bn_), -(-m // bm_), batch)
+    pos: dict[str, Expr] = {}  # the output tile being computed: i0, j0 and bz (per tile when persistent)
+    if tile.persistent:
+        blocks = min(math.prod(tiles), target.cores)  # one block per SM (a 4-stage ring fills its shared memory)
+        grid = (blocks, 1, 1)
+    else:
+        grid, (bn, bm, bz) = _grid(e, tiles)
+        pos.update(i0=e.bind(imul(bm, bm_), "i0"), j0=e.bind(imul(bn, bn_), "j0"), bz=bz)
     k_tiles = -(-k // BK)
     t = TID_X
     wg = e.bind(idiv(t, WARPGROUP), "wg")
@@ -215,11 +229,13 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     row_elems = SWIZZLE // size  # elements in one swizzled 128-byte row
     a_width = src_a.width if isinstance(src_a, HeadsOperand) else row_elems  # A's columns per box
 
-    def issue(kt: Expr) -> list:
-        """Thread 0's part: announce the stage's bytes, copy tile ``kt`` of A and B into it (B stored
-        K×N: ``BN / 64`` boxes of 64 K-rows × 64 columns, one after the other)."""
-        st = imod(kt, S)
+    def issue(kt: Expr, it: Expr | None = None) -> list:
+        """Thread 0's part: announce the stage's bytes, copy K tile ``kt`` of A and B into it (B stored
+        K×N: ``BN / 64`` boxes of 64 K-rows × 64 columns, one after the other); the stage is that of
+        pipeline step ``it`` (a persistent GEMM's steps run on across its tiles), by default ``kt``."""
+        st = imod(kt if it is None else it, S)
         k0 = imul(kt, BK)
+        i0, j0, bz = pos["i0"], pos["j0"], pos["bz"]
         loads: list = [MbarrierArrive("bar", st, tx)]
         if isinstance(src_a, HeadsOperand):
             loads += src_a.boxes("sA", imul(st, a_stage), bz, i0, k0, bm_, BK, "bar", st, size)
@@ -246,14 +262,38 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
             e.emit(Wgmma(bn_, "acc", c(0), a_op, b_op))
 
     def epilogue(row: Expr, col: Expr, acc: Expr) -> None:
+        bz = pos["bz"]
         e.regs[id(mm)] = e.bind(acc if acc.dtype == mm.dtype else Cast(acc, mm.dtype), "c")
         store_epilogue(e, group, (iadd(imul(bz, m), row), col) if flat else at(mm, bz, row, col))
         e.regs.pop(id(mm))
 
     def stores(cw: Expr) -> None:
-        store_d_fragment(e, i0, j0, cw, (m, n), (bm_, bn_), epilogue)
+        store_d_fragment(e, pos["i0"], pos["j0"], cw, (m, n), (bm_, bn_), epilogue, pos.get("tid", TID_X))
 
-    if tile.producer:
+    def place(local: Expr, bid: Expr = BID_X, thread: Expr | None = None) -> None:
+        """Bind the output tile of this block's ``local``-th tile (a persistent GEMM): tile
+        ``bid + local·blocks`` in grouped order — ``GROUP_M`` row tiles down one column of tiles,
+        then the next column, so the blocks in flight share B's columns and A's rows in L2."""
+        nt, mt, _ = tiles
+        tid = e.bind(iadd(bid, imul(local, grid[0])), "tile")
+        per, width = nt * mt, GROUP_M * nt
+        r = e.bind(imod(tid, per), "r")
+        first_m = e.bind(imul(idiv(r, width), GROUP_M), "m0")
+        within = e.bind(imod(r, width), "w")
+        if mt <= GROUP_M or mt % GROUP_M == 0:  # every group has min(mt, GROUP_M) row tiles
+            row, col = imod(within, min(mt, GROUP_M)), idiv(within, min(mt, GROUP_M))
+        else:  # the last group has fewer
+            rows = e.bind(imin(Binary("sub", c(mt), first_m, INDEX), c(GROUP_M)), "gm")
+            row, col = Binary("fmod", within, rows, INDEX), Binary("div", within, rows, INDEX)
+        pos.update(bz=e.bind(idiv(tid, per), "bz"), i0=e.bind(imul(iadd(first_m, row), bm_), "i0"),
+                   j0=e.bind(imul(col, bn_), "j0"))
+        if thread is not None:
+            pos["tid"] = thread
+
+    if tile.persistent:
+        _persistent(e, tile, k_tiles, first, wg, issue, mmas, lambda _cw: zero_accumulators(e, bn_), stores,
+                    place, (math.prod(tiles), grid[0]))
+    elif tile.producer:
         _specialized(e, tile, k_tiles, first, wg, issue, mmas, lambda _cw: zero_accumulators(e, bn_), stores)
     else:
         zero_accumulators(e, bn_)
@@ -266,9 +306,88 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     if tile.producer:
         meta["registers"] = {"producer": PRODUCER_REGS, "consumers": CONSUMER_REGS}
         meta["max_registers"] = min(launch_registers(tile.threads), CONSUMER_REGS)  # inc never lowers
+    local = (Buffer("acc", DType.f32, bn_ // 2, "local"),) + ((Buffer("tile", INDEX, 4, "local"),)
+                                                              if tile.persistent else ())
     kernel = Kernel(name, tuple(params), (1, 1, 1), (tile.threads, 1, 1), tuple(e.stmts), shared=tuple(shared),
-                    local=(Buffer("acc", DType.f32, bn_ // 2, "local"),), meta=meta)
+                    local=local, meta=meta)
     return with_grid(kernel, grid)
+
+
+def _persistent(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr,
+                issue: Callable[..., list], mmas: Callable[[Expr, Expr], None], start: Callable[[Expr], None],
+                stores: Callable[[Expr], None], place: Callable[..., None], work: tuple[int, int]) -> None:
+    """:func:`_specialized`'s pipeline run over all of this block's output tiles: ``work = (tiles,
+    blocks)``; block ``b`` computes tiles ``b, b + blocks, …``. Both roles loop over the block's
+    tiles and, inside, over K; step ``g = tile·k_tiles + kt`` numbers the pipeline's steps across
+    tiles, and stages and barrier phases follow ``g``, so the producer runs on into the next
+    tile's first K tiles while the consumers finish and store the current one. The consumers'
+    zeroing and stores sit between their K loops, after a wait for every wgmma, as in the
+    one-tile kernel (a zeroing inside the K loop, under a condition, made ptxas inject waits and
+    spill: the accumulators looked in flight). Both roles' loops have the same variables and
+    bounds, which keeps cuda-sim's iteration-by-iteration interleaving (``jam_roles``, applied at
+    both levels) exact."""
+    S = tile.stages
+    lead = S - 2
+    total, blocks = work
+    consumer_threads = tile.consumers * WARPGROUP
+    e.emit(If(first, tuple([*(MbarrierInit("bar", c(s), 1) for s in range(S)),
+                            *(MbarrierInit("bar", c(S + s), consumer_threads) for s in range(S))])))
+    e.emit(Barrier())
+    mine = e.bind(idiv(iadd(Binary("sub", c(total), BID_X, INDEX), c(blocks - 1)), blocks), "mine")  # its tiles
+    steps = e.bind(imul(mine, k_tiles), "steps")
+    lt, kt = e.var("lt"), e.var("kt")
+    with e.scope() as produce:
+        e.emit(SetMaxNReg(PRODUCER_REGS, False))
+        for p in range(lead):
+            with e.scope() as first_copies:
+                place(c(p // k_tiles))
+                for x in issue(c(p % k_tiles), c(p)):
+                    e.emit(x)
+            cond = _and([first, _bool("lt", c(p), steps)])
+            assert cond is not None
+            e.emit(If(cond, tuple(first_copies)))
+        with e.scope() as tile_body:
+            with e.scope() as body:
+                g = e.bind(iadd(imul(lt, k_tiles), kt), "g")
+                nxt = e.bind(iadd(g, c(lead)), "nxt")
+                more = _and([first, _bool("lt", nxt, steps)])
+                released = _and([first, _bool("lt", nxt, steps), _bool("ge", g, c(2))])
+                assert more is not None and released is not None
+                stage = iadd(imod(nxt, S), c(S))
+                parity = imod(idiv(Binary("sub", g, c(2), INDEX), S), 2)
+                e.emit(If(released, (MbarrierWait("bar", stage, parity),)))
+                with e.scope() as copies:
+                    place(idiv(nxt, k_tiles))
+                    for x in issue(imod(nxt, k_tiles), nxt):
+                        e.emit(x)
+                e.emit(If(more, tuple(copies)))
+            e.emit(For(kt, c(0), c(k_tiles), 1, tuple(body)))
+        e.emit(For(lt, c(0), mine, 1, tuple(tile_body)))
+    with e.scope() as consume:
+        e.emit(SetMaxNReg(CONSUMER_REGS, True))
+        cw = e.bind(Binary("sub", wg, c(1), DType.i32), "cw")
+        with e.scope() as tile_body:
+            # what the epilogue's addresses derive from passes through the wait below, so LLVM keeps
+            # their arithmetic after it: ptxas serialises the wgmmas (C7514) when any instruction
+            # sits between the last K step and that wait
+            # (and are outputs of a wait here, where none is in flight, so LLVM cannot re-derive
+            # them below the K loop either)
+            for i, v in enumerate((lt, TID_X, BID_X, cw)):
+                e.emit(Store("tile", c(i), v))
+            e.emit(WgmmaWait(0, ("tile",)))
+            start(cw)
+            with e.scope() as body:
+                g = e.bind(iadd(imul(lt, k_tiles), kt), "g")
+                lag = _k_step(e, S, g, cw, mmas, None)
+                release = MbarrierArrive("bar", iadd(imod(iadd(g, c(S - lag)), S), c(S)))
+                e.emit(If(_bool("ge", g, c(lag)), (release,)))
+            e.emit(For(kt, c(0), c(k_tiles), 1, tuple(body)))
+            e.emit(WgmmaWait(0, ("acc", "tile")))
+            after = [e.bind(Load("tile", c(i), INDEX), "w") for i in range(4)]
+            place(after[0], after[2], after[1])
+            stores(after[3])
+        e.emit(For(lt, c(0), mine, 1, tuple(tile_body)))
+    e.emit(If(_bool("eq", wg, c(0)), tuple(produce), tuple(consume)))
 
 
 @dataclass(frozen=True)
@@ -308,11 +427,12 @@ def zero_accumulators(e: ValueEmitter, n: int) -> None:
 
 
 def store_d_fragment(e: ValueEmitter, i0: Expr, j0: Expr, cw: Expr, lims: tuple[int, int], tile: tuple[int, int],
-                     epilogue: Callable[[Expr, Expr, Expr], None]) -> None:
+                     epilogue: Callable[[Expr, Expr, Expr], None], tid: Expr = TID_X) -> None:
     """Consumer warpgroup ``cw``'s ``tile[1]/2`` accumulators of the tile at ``(i0, j0)`` through
     ``epilogue(row, col, acc)`` at the rows and columns the D layout gives them, guarded where the
-    ``lims`` (rows, columns) are not whole tiles."""
-    t = TID_X
+    ``lims`` (rows, columns) are not whole tiles; ``tid``: the thread index (a copy of it that
+    passed through the wgmma wait, in a persistent GEMM)."""
+    t = tid
     lane = imod(t, 32)
     g, q = e.bind(idiv(lane, 4), "g"), e.bind(imul(imod(lane, 4), 2), "q")
     wrow = e.bind(iadd(i0, iadd(imul(cw, WGMMA_M), imul(imod(idiv(t, 32), 4), 16))), "wrow")

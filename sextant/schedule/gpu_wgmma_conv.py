@@ -112,7 +112,7 @@ def conv_wg_tile(positions: int, channels: int, k: int, groups: int, dtype: DTyp
     """The GEMM's tile for ``positions × channels`` (tuned, else ``choose_wg_tile``'s), narrowed
     to the channels (rounded up to wgmma's multiple of 8) when there are fewer than 64; with the
     meta of the choice."""
-    tile, chosen = tuned_wg_tile("conv-wgmma", positions, channels, k, groups, dtype, target)
+    tile, chosen = tuned_wg_tile("conv-wgmma", positions, channels, k, groups, dtype, target, persistent=False)
     narrow = -(-channels // 8) * 8
     if narrow < tile.bn:
         tile = WgTile(tile.bm, narrow, tile.stages, tile.producer)
