@@ -204,3 +204,19 @@ def test_dry_run_command_checks_without_storing(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(SystemExit):
         tune.main(["--dry-run", "--cases", "no-such-case"])
     assert "unknown or non-forward cases ['no-such-case']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,mapping", [("sm_90a", "conv-wgmma"), ("sm_80", "conv-mma")])
+def test_every_conv_candidate_matches_eager(arch: str, mapping: str) -> None:
+    """The implicit-GEMM convolutions' candidates too (200 output positions: the Hopper conv's
+    64-row tiles, which the heuristic keeps for M ≤ 64, run ragged past one tile)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 40, 3, padding=1), torch.nn.ReLU()).half()
+    x = torch.randn(2, 16, 10, 10).half()
+    [r] = tune.tune(model, (x,), target="cuda-sim", arch=arch, timer=None)
+    assert r.problem.mapping == mapping and r.problem.k == 144
+    expected = {"conv-wgmma": [t.name for t in WG_CANDIDATES if not t.persistent],
+                "conv-mma": [t.name for t in MMA_CANDIDATES]}[mapping]
+    assert list(r.candidates) == expected
+    assert r.failed == {} and r.checked == expected
