@@ -99,6 +99,8 @@ def describe_program(p: Program) -> str:
         lines.append(f"  #{li:<3} {launch.kernel:<16} {kind:<11} {shape:<12} [{ops}]")
         if (mapping := k.meta.get("mapping")) is not None or launch.kernel in p.resources:
             extra = [f"mapping {mapping}"] if mapping else []
+            if k.meta.get("tile_source") == "tuned":  # a measured choice (schedule/tuning.py, tools/tune)
+                extra.append(f"tile {k.meta['tile_name']} (measured)")
             if (r := p.resources.get(launch.kernel)) is not None:
                 from sextant.codegen.llvm_nvptx import block_shared_bytes
 

@@ -19,6 +19,7 @@ import torch
 import sextant
 from sextant.frontend.capture import capture
 from sextant.runtime import compile_cache, tuning_store
+from sextant.schedule.dump import describe_program
 from sextant.schedule.gpu_mma import CANDIDATES as MMA_CANDIDATES
 from sextant.schedule.gpu_wgmma import CANDIDATES as WG_CANDIDATES
 from sextant.schedule.tuning import NO_TILES, TileProblem, TileTable, pick
@@ -153,6 +154,8 @@ def test_the_fastest_candidate_is_stored_and_later_compiles_use_it(tmp_path: Pat
     tuned = sextant.compile(model, args, target="cuda-sim", arch="sm_90a", cache=False)
     [meta] = _tiles(tuned)
     assert (meta["tile_name"], meta["tile_source"], meta["tile"][:2]) == (wanted, "tuned", (64, 64))
+    assert "mapping wgmma-tma; tile 64x64/s4 (measured)" in describe_program(tuned.stages["program"])
+    assert "(measured)" not in describe_program(default.stages["program"])
     for fresh in (args, tuple(torch.randn_like(a) for a in args)):
         expected = copy.deepcopy(model).float()(*(a.float() for a in fresh))
         torch.testing.assert_close(tuned(*fresh).float(), expected, rtol=TOL, atol=TOL)
