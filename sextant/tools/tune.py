@@ -13,7 +13,8 @@ tool measures instead, inside the real model (its fused epilogues, its operand l
    repeated back to back between CUDA events); a problem's time in a round is the sum over its
    launches (GPT-2's twelve layers share four problems);
 3. store each problem's fastest candidate, with every candidate's time and the device, in
-   ``runtime/tuning_store.py``'s file for the architecture. ``sextant.compile`` for that
+   ``runtime/tuning_store.py``'s file for the architecture (after each case, so a run cut short
+   keeps what it measured). ``sextant.compile`` for that
    architecture reads it; the compile cache's key includes it.
 
 So a model with ``c`` candidates per problem costs ``c + 1`` compiles, whatever its number of
@@ -198,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         target, arch, timer = "cuda", opts.arch or device_arch(dev), gpu_timer(opts.repeats)
         device = torch.cuda.get_device_name(dev)
     report = [f"## Tile autotuning: {device}, {arch}{' (dry run: checked, not timed)' if opts.dry_run else ''}\n"]
-    stored: dict[TileProblem, Measured] = {}
+    paths = [p for p in (opts.out, Path(os.environ["OUT"]) / "tune.md" if os.environ.get("OUT") else None) if p]
+
+    def publish() -> None:  # after every case: a run cut short by a timeout keeps what it measured
+        for path in paths:
+            path.write_text("\n".join(report))
+
+    print(report[0])
     for name in names:
         case = known[name]
         print(f"{name}:", file=sys.stderr)
@@ -210,16 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             report.append(f"### {name}\n\nfailed: {type(e).__name__}: {e}\n")
+            print(report[-1])
+            publish()
             continue
         report.append(table(name, results))
-        stored.update(measured(results, device))
-    if stored and not opts.dry_run:
-        report.append(f"{len(stored)} problems stored in {save(arch, stored)}\n")
-    text = "\n".join(report)
-    print(text)
-    for path in (opts.out, Path(os.environ["OUT"]) / "tune.md" if os.environ.get("OUT") else None):
-        if path is not None:
-            path.write_text(text)
+        found = measured(results, device)
+        if found and not opts.dry_run:
+            report.append(f"{len(found)} problems stored in {save(arch, found)}\n")
+        print(report[-1] if not found or opts.dry_run else "\n".join(report[-2:]))
+        publish()
     return 0
 
 
