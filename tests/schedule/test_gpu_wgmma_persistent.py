@@ -34,15 +34,21 @@ class Linear(torch.nn.Module):
         return torch.nn.functional.relu(self.lin(x)) + r
 
 
-def _run(mod: torch.nn.Module, args: tuple, tile: str, problem: TileProblem, sms: int) -> tuple[object, torch.Tensor]:
-    """Schedule for an sm_90a GPU of ``sms`` SMs with ``tile`` forced for ``problem``; run through
-    cuda-sim (race-checked); the kernel and the output."""
+def _program(mod: torch.nn.Module, args: tuple, tiles: dict[TileProblem, str], sms: int) -> tuple[object, torch.Tensor]:
+    """Schedule for an sm_90a GPU of ``sms`` SMs with ``tiles`` forced; run through cuda-sim
+    (race-checked); the program and the output."""
     graph = run_pipeline(capture(mod, args))
-    target = dataclasses.replace(gpu_target("sm_90a"), cores=sms, tiles=TileTable.of({problem: tile}))
+    target = dataclasses.replace(gpu_target("sm_90a"), cores=sms, tiles=TileTable.of(tiles))
     program = schedule(graph, target)
-    (kern,) = program.kernels.values()
-    runner = ProgramRunner(program, compile_kernels([kern], check_races=True).launch)
-    return kern, runner(list(args))[0]
+    runner = ProgramRunner(program, compile_kernels(list(program.kernels.values()), check_races=True).launch)
+    return program, runner(list(args))[0]
+
+
+def _run(mod: torch.nn.Module, args: tuple, tile: str, problem: TileProblem, sms: int) -> tuple[object, torch.Tensor]:
+    """:func:`_program` for a model of one kernel: that kernel and the output."""
+    program, out = _program(mod, args, {problem: tile}, sms)
+    (kern,) = program.kernels.values()  # type: ignore[attr-defined]
+    return kern, out
 
 
 @pytest.mark.parametrize("m,k,n,tile,sms", [
@@ -76,6 +82,36 @@ def test_batched_persistent_gemm() -> None:
     kern, got = _run(Bmm(), (a, b), "128x128/s4/ws/p", TileProblem("wgmma", 150, 136, 96, 3, "f16", "sm_90a"), 5)
     assert kern.meta.get("persistent") and kern.grid == (5, 1, 1)  # 2 × 2 × 3 = 12 tiles
     torch.testing.assert_close(got.float(), a.float() @ b.float(), atol=3e-2, rtol=3e-2)
+
+
+class Attention(torch.nn.Module):
+    """Causal self-attention whose output projection reads the heads in place (``tma.HeadsOperand``,
+    rows per batch, a flat ``[b·n, d]`` output)."""
+
+    def __init__(self, d: int = 64, h: int = 2) -> None:
+        super().__init__()
+        self.h, self.qkv, self.o = h, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).split(d, -1)
+        heads = [t.reshape(b, n, self.h, d // self.h).transpose(1, 2) for t in (q, k, v)]
+        o = torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=True)
+        return self.o(o.transpose(1, 2).reshape(b * n, d))
+
+
+def test_persistent_output_projection_reads_heads_per_batch() -> None:
+    """Both GEMMs of an attention block persistent on 3 SMs: the QKV projection (2 × 2 tiles) and
+    the output projection, whose A is read head by head and whose row tiles run per batch (2 × 1
+    tiles: the tile index carries the batch into the flat output's rows)."""
+    torch.manual_seed(3)
+    mod, x = Attention().half(), torch.randn(2, 80, 64).half()
+    tiles = {TileProblem("wgmma", 160, 192, 64, 1, "f16", "sm_90a"): "128x128/s4/ws/p",
+             TileProblem("wgmma", 80, 64, 64, 2, "f16", "sm_90a"): "128x128/s4/ws/p"}
+    program, got = _program(mod, (x,), tiles, 3)
+    persistent = [k for k in program.kernels.values() if k.meta.get("persistent")]  # type: ignore[attr-defined]
+    assert len(persistent) == 2 and all(k.meta["tile_source"] == "tuned" for k in persistent)
+    torch.testing.assert_close(got.float(), mod.float()(x.float()), atol=3e-2, rtol=3e-2)
 
 
 def test_grouped_order_visits_every_tile_once() -> None:
