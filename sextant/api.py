@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -19,8 +19,10 @@ from sextant.graph.symbolic import SymbolicShapeError
 from sextant.kernel.verifier import KernelVerificationError
 from sextant.runtime.compiled import CompiledModule
 from sextant.runtime.onnx_module import OnnxCompiledModule
-from sextant.schedule.target import TargetDesc
-from sextant.schedule.tuning import TileTable
+
+if TYPE_CHECKING:
+    from sextant.schedule.target import TargetDesc
+    from sextant.schedule.tuning import TileTable
 
 TARGETS = ("reference", "cpu", "cuda-sim", "cuda")
 # ``progress(stage)`` returns a context manager that brackets one compile stage (for progress
@@ -160,7 +162,7 @@ def bind_buffers(compiled: CompiledModule, module: torch.nn.Module) -> None:
 
 def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],
                      print_after_all: bool, stream: TextIO, progress: StageHook | None,
-                     cache_key: str | None) -> CompiledModule:
+                     cache_key: str | None, tiles: TileTable | None = None) -> CompiledModule:
     """A module over a graph with symbolic sizes: each new binding of the sizes compiles the bound
     graph on first use (``sextant/runtime/specialize.py``), or loads it from the compile cache
     (entry: ``cache_key`` and the binding) when ``cache_key`` is given."""
@@ -170,7 +172,8 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
     why_not = symbolic_refusal(target)
     if why_not is None:
         try:
-            return _compile_symbolic(captured, target, arch, pipeline, print_after_all, stream, _steps(progress))
+            return _compile_symbolic(captured, target, arch, pipeline, print_after_all, stream, _steps(progress),
+                                     tiles)
         except SymbolicShapeError as e:
             why_not = str(e)
         except KernelVerificationError as e:  # a mapping's bug at symbolic sizes: the static path is proven
@@ -184,7 +187,7 @@ def _symbolic_module(captured: Graph, target: str, arch: str | None, pipeline: s
         if hit is not None:
             return hit
         compiled = compile_graph(graph, target=target, arch=arch, pipeline=pipeline,
-                                 print_after_all=print_after_all, stream=stream, progress=progress)
+                                 print_after_all=print_after_all, stream=stream, progress=progress, tiles=tiles)
         if k:
             compile_cache.store(k, compiled)
         return compiled
@@ -206,7 +209,8 @@ def symbolic_refusal(target: str) -> str | None:
 
 
 def _compile_symbolic(captured: Graph, target: str, arch: str | None, pipeline: str | Sequence[str],
-                      print_after_all: bool, stream: TextIO, step: StageHook) -> CompiledModule:
+                      print_after_all: bool, stream: TextIO, step: StageHook,
+                      tiles: TileTable | None = None) -> CompiledModule:
     """One program for every binding of the sizes: kernels take the sizes as arguments, the runner
     binds them (and plans memory) per call. Raises ``SymbolicShapeError`` where a pass or mapping
     needs a concrete size; the caller then compiles per binding."""
@@ -215,9 +219,9 @@ def _compile_symbolic(captured: Graph, target: str, arch: str | None, pipeline: 
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     if target == "cuda-sim":
-        return _compile_cuda_sim(graph, {"captured": captured}, arch or "sm_90", step)
+        return _compile_cuda_sim(graph, {"captured": captured}, arch or "sm_90", step, tiles)
     if target == "cuda":
-        return _compile_cuda(graph, {"captured": captured}, arch, step)
+        return _compile_cuda(graph, {"captured": captured}, arch, step, tiles)
     return _compile_cpu(graph, {"captured": captured}, step)
 
 
@@ -240,7 +244,8 @@ def compile_graph(captured: Graph, *, target: str = "cpu", arch: str | None = No
     _check_target(target)
     step = _steps(progress)
     if is_symbolic_graph(captured):
-        return _symbolic_module(captured, target, arch, pipeline, print_after_all, stream, progress, cache_key)
+        return _symbolic_module(captured, target, arch, pipeline, print_after_all, stream, progress, cache_key,
+                                tiles)
     with step("passes"):
         graph = run_pipeline(captured, pipeline, print_after_all=print_after_all, stream=stream)
     stages: dict[str, Any] = {"captured": captured}

@@ -132,7 +132,7 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
                 res += f"  stack {r.stack_frame} B"
         mapping = k.meta.get("mapping")
         if mapping and k.meta.get("tile_source") == "tuned":  # a measured tile (tools/tune)
-            mapping += f", tile {k.meta['tile_name']} measured"
+            mapping += f"; tile {k.meta['tile_name']} (measured)"
         p(f"  #{i:<2} {launch.kernel:<16} {g.kind:<11} {shape}{res}" + (f"  [{mapping}]" if mapping else ""))
         computed = [n for n in program.computed_nodes(launch) if n.op not in NOT_COMPUTED]
         p(f"      fused: {launch_ops(program, launch)}")

@@ -116,8 +116,8 @@ def check(v: _Verifier, s: Stmt, defined: set[str], control: tuple[_Control, ...
             v.fail(s, f"wgmma wait for {s.pending!r} pending groups (0 to 7)")
         for name in s.accs:
             b = v.buffers.get(name)
-            if b is None or b.space != "local":
-                v.fail(s, f"wgmma wait names {name!r}, which is not a local accumulator buffer")
+            if b is None or b.space != "local" or b.dtype not in (DType.f32, DType.i32):
+                v.fail(s, f"wgmma wait names {name!r}, which is not a local f32 (accumulator) or i32 buffer")
     elif isinstance(s, MbarrierInit | MbarrierArrive | MbarrierWait):
         _bar(v, s, s.bar)
         if isinstance(s, MbarrierInit) and not (isinstance(s.count, int) and 1 <= s.count <= MAX_TX):

@@ -103,7 +103,7 @@ def key(module: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, 
     if target != "cpu":
         from sextant.runtime.tuning_store import fingerprint
 
-        put("tiles", fingerprint())  # measured tile choices (tools/tune.py) change the GPU kernels
+        put("tiles", fingerprint(arch))  # measured tile choices (tools/tune.py) change the GPU kernels
     for name, m in module.named_modules():
         cls = type(m)
         try:

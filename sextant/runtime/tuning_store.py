@@ -113,13 +113,16 @@ def save(arch: str, results: Mapping[TileProblem, Measured]) -> Path:
     return path
 
 
-def fingerprint() -> str:
-    """A hash of every stored choice: compile-cache keys of GPU targets include it, so a new
-    measurement recompiles instead of loading a module built on the old tiles."""
+def fingerprint(arch: str | None = None) -> str:
+    """A hash of the choices stored for ``arch`` (every architecture's when None: ``target="cuda"``
+    learns its arch from the device only later): compile-cache keys of GPU targets include it, so
+    a new measurement recompiles instead of loading a module built on the old tiles. Hashes what
+    :func:`load_table` reads, so a half-written temporary file (a run cut short) changes nothing."""
     root = tuning_dir()
     h = hashlib.sha256(b"tuning")
-    if root is not None and root.is_dir():
-        for f in sorted(root.glob("*.json")):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
+    if root is None or not root.is_dir():
+        return h.hexdigest()
+    arches = [arch] if arch else sorted(f.stem for f in root.glob("*.json") if not f.name.startswith("."))
+    for a in arches:
+        h.update(f"{a}\0{load_table(a).entries!r}\0".encode())
     return h.hexdigest()

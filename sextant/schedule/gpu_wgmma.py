@@ -185,11 +185,11 @@ def wg_candidates(m: int, persistent: bool = True) -> tuple[WgTile, ...]:
 
 
 def tuned_wg_tile(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType,
-                  target: TargetDesc, persistent: bool = True) -> tuple[WgTile, dict]:
+                  target: TargetDesc) -> tuple[WgTile, dict]:
     """The tile of this problem: the target's tuning table's choice, else :func:`choose_wg_tile`'s
     (never persistent: the persistent tiles are chosen by measurement only)."""
     problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
-    return pick(problem, target.tiles, wg_candidates(m, persistent), choose_wg_tile(m, n))
+    return pick(problem, target.tiles, wg_candidates(m), choose_wg_tile(m, n))
 
 
 def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:

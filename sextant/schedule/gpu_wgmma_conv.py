@@ -81,9 +81,10 @@ from sextant.schedule.gpu_wgmma import (
     WgTile,
     _mainloop,
     _specialized,
+    choose_wg_tile,
     is_sm90a,
     store_d_fragment,
-    tuned_wg_tile,
+    wg_candidates,
     zero_accumulators,
 )
 from sextant.schedule.indexing import c, delinearize, divisible, iadd, idiv, imod, imul, may_be_nonzero
@@ -91,6 +92,7 @@ from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group, append_layouts, params_only
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.tma import SWIZZLE, TmaOperand
+from sextant.schedule.tuning import TileProblem, pick
 
 FRAGMENT = 8  # A elements a thread holds per 16-wide K step
 
@@ -111,11 +113,16 @@ def conv_wg_tile(positions: int, channels: int, k: int, groups: int, dtype: DTyp
                  target: TargetDesc) -> tuple[WgTile, dict]:
     """The GEMM's tile for ``positions × channels`` (tuned, else ``choose_wg_tile``'s), narrowed
     to the channels (rounded up to wgmma's multiple of 8) when there are fewer than 64; with the
-    meta of the choice."""
-    tile, chosen = tuned_wg_tile("conv-wgmma", positions, channels, k, groups, dtype, target, persistent=False)
+    meta of the choice. The candidates are narrowed first, so the tuner times distinct kernels
+    and a stored name is the tile that runs (``128x40/s4/ws``)."""
     narrow = -(-channels // 8) * 8
-    if narrow < tile.bn:
-        tile = WgTile(tile.bm, narrow, tile.stages, tile.producer)
+
+    def narrowed(t: WgTile) -> WgTile:
+        return WgTile(t.bm, narrow, t.stages, t.producer) if narrow < t.bn else t
+
+    candidates = tuple(dict.fromkeys(narrowed(t) for t in wg_candidates(positions, persistent=False)))
+    problem = TileProblem("conv-wgmma", positions, channels, k, groups, dtype.value, target.name)
+    tile, chosen = pick(problem, target.tiles, candidates, narrowed(choose_wg_tile(positions, channels)))
     assert wgmma_n_ok(tile.bn), tile
     return tile, chosen
 

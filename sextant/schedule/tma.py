@@ -67,6 +67,11 @@ def tma_operand(x: Node, buffers: dict[int, str], dt: DType, row_axis: int, col_
     if is_symbolic(x.shape):
         return None
     view = strided_view(x, buffers, exact_from=dt)
+    rank = len(x.shape)
+    if view is None and x.op == "permute" and list(x.attr("perm")) == [*range(rank - 2), rank - 1, rank - 2]:
+        # a transposed matrix (attention's Kᵀ) of something only the reshape look-through below can
+        # describe (GQA's K, its kv heads repeated by expand + reshape): the same matrix, axes swapped
+        return tma_operand(x.inputs[0], buffers, dt, -1 - (row_axis == -1), -1 - (col_axis == -1))
     while view is None and x.op in ("reshape", "cast") and x.inputs[0].shape[-2:] == x.shape[-2:] and (
             x.op == "reshape" or x.inputs[0].dtype == dt):
         x = x.inputs[0]

@@ -45,13 +45,19 @@ VARIANTS = (gpu_mma.TcTile(128, 128, 32, 2, 4, registers=128, stages=3),
 
 @contextmanager
 def forced_tile(tile: gpu_mma.TcTile):
-    """Every half-precision GEMM compiled inside takes ``tile`` (the cost model is bypassed)."""
-    saved = gpu_mma.choose_tile
+    """Every half-precision GEMM compiled inside takes ``tile`` (the cost model is bypassed, and
+    the tuning store too: a measured choice would otherwise win over the forced one)."""
+    saved, store = gpu_mma.choose_tile, os.environ.get("SEXTANT_TUNING")
     gpu_mma.choose_tile = lambda m, n, batch, target, *a, **k: tile
+    os.environ["SEXTANT_TUNING"] = "0"
     try:
         yield
     finally:
         gpu_mma.choose_tile = saved
+        if store is None:
+            os.environ.pop("SEXTANT_TUNING", None)
+        else:
+            os.environ["SEXTANT_TUNING"] = store
 
 
 def _parse(shape: str) -> tuple[int, int, int]:

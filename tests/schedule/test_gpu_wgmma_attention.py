@@ -86,6 +86,37 @@ def test_sdpa_runs_on_wgmma_and_matches_eager(shape: tuple, causal: bool, dt: to
     _assembled_cleanly(cm)
 
 
+class Gqa(torch.nn.Module):
+    """Grouped-query attention: 8 query heads share 2 K/V heads — repeated as Llama's ``repeat_kv``
+    does (expand + reshape) or by SDPA's ``enable_gqa``."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.mode == "enable_gqa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b, kvh, n, d = k.shape
+        rep = q.shape[1] // kvh
+        k, v = (t[:, :, None].expand(b, kvh, rep, n, d).reshape(b, kvh * rep, n, d) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", ["repeat_kv", "enable_gqa"])
+def test_grouped_query_attention_reads_shared_kv_heads(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The repeated K/V are never materialised: each query head's K and V tensor maps address its
+    K/V head (the repeat a stride-0 dim the map leaves out; Kᵀ looked through to K's rows)."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 8, 100, 64).half(), torch.randn(2, 2, 100, 64).half(), torch.randn(2, 2, 100, 64).half()
+    cm = _compile(Gqa(mode), (q, k, v), monkeypatch)
+    assert _mappings(cm) == [WGMMA]
+    fresh = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    ref = F.scaled_dot_product_attention(*(x.float() for x in fresh), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(cm(*fresh).float(), ref, atol=2e-2, rtol=2e-2)
+    _assembled_cleanly(cm)
+
+
 def test_kernel_reads_p_from_registers_and_kv_through_tma(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 2, 64, 64).half()
     cm = _compile(Sdpa(), (q, q, q), monkeypatch)

@@ -55,6 +55,7 @@ def _run(mod: torch.nn.Module, args: tuple, tile: str, problem: TileProblem, sms
     (300, 200, 300, "128x128/s4/ws/p", 4),  # 9 tiles over 4 blocks (3, 2, 2, 2); ragged M, N and K
     (300, 64, 300, "128x128/s4/ws/p", 2),   # one K tile: the producer's first copies span two tiles
     (1300, 64, 100, "128x128/s4/ws/p", 3),  # 11 row tiles: a last group of 3 (GROUP_M = 8)
+    (2048, 64, 200, "128x128/s4/ws/p", 5),  # 16 row tiles: two whole groups (the static branch)
     (260, 136, 520, "128x256/s4/ws/p", 3),  # the 128 × 256 tile
 ])
 def test_persistent_gemm_matches_eager_over_many_tiles_per_block(m: int, k: int, n: int, tile: str,
