@@ -124,6 +124,7 @@ def test_compile_cache_key_follows_the_store(tmp_path: Path, monkeypatch: pytest
     assert after[1:] == before[1:]  # another arch's and the CPU's stay
 
 
+@pytest.mark.slow  # ~55 s of cuda-sim: 12 race-checked compiles
 @pytest.mark.parametrize("arch,mapping,candidates", [("sm_90a", "wgmma", WG_CANDIDATES),
                                                      ("sm_80", "mma", MMA_CANDIDATES)])
 def test_every_candidate_compiles_and_matches_eager(arch: str, mapping: str, candidates: tuple,
