@@ -61,7 +61,7 @@ from sextant.schedule.indexing import ValueEmitter, accum_dtype, c, delinearize,
 from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
-from sextant.schedule.tuning import TileProblem, pick
+from sextant.schedule.tuning import choose
 from sextant.schedule.views import chunked
 
 MMA = MMA_SHAPES[((16, 8, 16), "f16")]  # the layout is the same for bf16
@@ -203,8 +203,8 @@ def tuned_tile(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType, t
                candidates: tuple[TcTile, ...] = CANDIDATES) -> tuple[TcTile, dict]:
     """The tile of this problem: the target's tuning table's choice (``schedule/tuning.py``), else
     the cost model's; with the meta its kernel records (the problem, the candidates)."""
-    problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
-    return pick(problem, target.tiles, candidates, choose_tile(m, n, batch, target, candidates, dtype.itemsize))
+    return choose(mapping, m, n, k, batch, dtype, target, candidates,
+                  choose_tile(m, n, batch, target, candidates, dtype.itemsize))
 
 
 @dataclass(frozen=True)

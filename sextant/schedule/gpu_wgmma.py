@@ -73,7 +73,7 @@ from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group
 from sextant.schedule.target import TargetDesc, sm_version
 from sextant.schedule.tma import SWIZZLE, HeadsOperand, TmaOperand, heads_operand, tma_operand
-from sextant.schedule.tuning import TileProblem, pick
+from sextant.schedule.tuning import choose
 
 BK = 64  # one 128-byte swizzled row of f16/bf16
 ATOM = 1024  # bytes: 8 rows of 128
@@ -188,8 +188,7 @@ def tuned_wg_tile(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType
                   target: TargetDesc) -> tuple[WgTile, dict]:
     """The tile of this problem: the target's tuning table's choice, else :func:`choose_wg_tile`'s
     (never persistent: the persistent tiles are chosen by measurement only)."""
-    problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
-    return pick(problem, target.tiles, wg_candidates(m), choose_wg_tile(m, n))
+    return choose(mapping, m, n, k, batch, dtype, target, wg_candidates(m), choose_wg_tile(m, n))
 
 
 def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:
@@ -267,17 +266,17 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
         store_epilogue(e, group, (iadd(imul(bz, m), row), col) if flat else at(mm, bz, row, col))
         e.regs.pop(id(mm))
 
-    def stores(cw: Expr) -> None:
-        store_d_fragment(e, pos["i0"], pos["j0"], cw, (m, n), (bm_, bn_), epilogue, pos.get("tid", TID_X))
+    def stores(cw: Expr, tid: Expr = TID_X) -> None:
+        store_d_fragment(e, pos["i0"], pos["j0"], cw, (m, n), (bm_, bn_), epilogue, tid)
 
-    def place(local: Expr, bid: Expr = BID_X, thread: Expr | None = None) -> None:
+    def place(local: Expr, bid: Expr = BID_X) -> None:
         """Bind the output tile of this block's ``local``-th tile (a persistent GEMM): tile
         ``bid + local·blocks`` in grouped order — ``GROUP_M`` row tiles down one column of tiles,
         then the next column, so the blocks in flight share B's columns and A's rows in L2."""
         nt, mt, _ = tiles
-        tid = e.bind(iadd(bid, imul(local, grid[0])), "tile")
+        index = e.bind(iadd(bid, imul(local, grid[0])), "tile")
         per, width = nt * mt, GROUP_M * nt
-        r = e.bind(imod(tid, per), "r")
+        r = e.bind(imod(index, per), "r")
         first_m = e.bind(imul(idiv(r, width), GROUP_M), "m0")
         within = e.bind(imod(r, width), "w")
         if mt <= GROUP_M or mt % GROUP_M == 0:  # every group has min(mt, GROUP_M) row tiles
@@ -285,10 +284,8 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
         else:  # the last group has fewer
             rows = e.bind(imin(Binary("sub", c(mt), first_m, INDEX), c(GROUP_M)), "gm")
             row, col = Binary("fmod", within, rows, INDEX), Binary("div", within, rows, INDEX)
-        pos.update(bz=e.bind(idiv(tid, per), "bz"), i0=e.bind(imul(iadd(first_m, row), bm_), "i0"),
+        pos.update(bz=e.bind(idiv(index, per), "bz"), i0=e.bind(imul(iadd(first_m, row), bm_), "i0"),
                    j0=e.bind(imul(col, bn_), "j0"))
-        if thread is not None:
-            pos["tid"] = thread
 
     if tile.persistent:
         _persistent(e, tile, k_tiles, first, wg, issue, mmas, lambda _cw: zero_accumulators(e, bn_), stores,
@@ -313,9 +310,20 @@ def gpu_wgmma_matmul_kernel(group: Group, stored: set[int], target: TargetDesc, 
     return with_grid(kernel, grid)
 
 
+def _full_and_empty_barriers(e: ValueEmitter, tile: WgTile, first: Expr) -> None:
+    """A warp-specialised ring's mbarriers, initialised by thread 0 before a block barrier: stage
+    ``s``'s *full* barrier ``bar[s]`` (the producer's one arrival) and *empty* one ``bar[S + s]``
+    (an arrival from every consumer thread)."""
+    S, consumer_threads = tile.stages, tile.consumers * WARPGROUP
+    e.emit(If(first, tuple([*(MbarrierInit("bar", c(s), 1) for s in range(S)),
+                            *(MbarrierInit("bar", c(S + s), consumer_threads) for s in range(S))])))
+    e.emit(Barrier())
+
+
 def _persistent(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Expr,
                 issue: Callable[..., list], mmas: Callable[[Expr, Expr], None], start: Callable[[Expr], None],
-                stores: Callable[[Expr], None], place: Callable[..., None], work: tuple[int, int]) -> None:
+                stores: Callable[[Expr, Expr], None], place: Callable[[Expr, Expr], None],
+                work: tuple[int, int]) -> None:
     """:func:`_specialized`'s pipeline run over all of this block's output tiles: ``work = (tiles,
     blocks)``; block ``b`` computes tiles ``b, b + blocks, …``. Both roles loop over the block's
     tiles and, inside, over K; step ``g = tile·k_tiles + kt`` numbers the pipeline's steps across
@@ -329,10 +337,7 @@ def _persistent(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Ex
     S = tile.stages
     lead = S - 2
     total, blocks = work
-    consumer_threads = tile.consumers * WARPGROUP
-    e.emit(If(first, tuple([*(MbarrierInit("bar", c(s), 1) for s in range(S)),
-                            *(MbarrierInit("bar", c(S + s), consumer_threads) for s in range(S))])))
-    e.emit(Barrier())
+    _full_and_empty_barriers(e, tile, first)
     mine = e.bind(idiv(iadd(Binary("sub", c(total), BID_X, INDEX), c(blocks - 1)), blocks), "mine")  # its tiles
     steps = e.bind(imul(mine, k_tiles), "steps")
     lt, kt = e.var("lt"), e.var("kt")
@@ -367,11 +372,10 @@ def _persistent(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Ex
         e.emit(SetMaxNReg(CONSUMER_REGS, True))
         cw = e.bind(Binary("sub", wg, c(1), DType.i32), "cw")
         with e.scope() as tile_body:
-            # what the epilogue's addresses derive from passes through the wait below, so LLVM keeps
-            # their arithmetic after it: ptxas serialises the wgmmas (C7514) when any instruction
-            # sits between the last K step and that wait
-            # (and are outputs of a wait here, where none is in flight, so LLVM cannot re-derive
-            # them below the K loop either)
+            # What the epilogue's addresses derive from passes through the wait after the K loop, so
+            # LLVM keeps their arithmetic below it (ptxas serialises the wgmmas, C7514, when any
+            # instruction sits between the last K step and that wait); and through a wait here,
+            # where none is in flight, so LLVM cannot re-derive them below the K loop either.
             for i, v in enumerate((lt, TID_X, BID_X, cw)):
                 e.emit(Store("tile", c(i), v))
             e.emit(WgmmaWait(0, ("tile",)))
@@ -383,9 +387,9 @@ def _persistent(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: Ex
                 e.emit(If(_bool("ge", g, c(lag)), (release,)))
             e.emit(For(kt, c(0), c(k_tiles), 1, tuple(body)))
             e.emit(WgmmaWait(0, ("acc", "tile")))
-            after = [e.bind(Load("tile", c(i), INDEX), "w") for i in range(4)]
-            place(after[0], after[2], after[1])
-            stores(after[3])
+            local, tid, bid, cw_after = (e.bind(Load("tile", c(i), INDEX), "w") for i in range(4))
+            place(local, bid)
+            stores(cw_after, tid)
         e.emit(For(lt, c(0), mine, 1, tuple(tile_body)))
     e.emit(If(_bool("eq", wg, c(0)), tuple(produce), tuple(consume)))
 
@@ -489,10 +493,7 @@ def _specialized(e: ValueEmitter, tile: WgTile, k_tiles: int, first: Expr, wg: E
     S = tile.stages
     lead = S - 2
     assert lead >= 1, "a specialised pipeline needs 3 stages or more"
-    consumer_threads = tile.consumers * WARPGROUP
-    e.emit(If(first, tuple([*(MbarrierInit("bar", c(s), 1) for s in range(S)),
-                            *(MbarrierInit("bar", c(S + s), consumer_threads) for s in range(S))])))
-    e.emit(Barrier())
+    _full_and_empty_barriers(e, tile, first)
     kt = e.var("kt")
     with e.scope() as produce:
         e.emit(SetMaxNReg(PRODUCER_REGS, False))

@@ -92,7 +92,7 @@ from sextant.schedule.kernels import setup_kernel, store_epilogue
 from sextant.schedule.partition import Group, append_layouts, params_only
 from sextant.schedule.target import TargetDesc
 from sextant.schedule.tma import SWIZZLE, TmaOperand
-from sextant.schedule.tuning import TileProblem, pick
+from sextant.schedule.tuning import choose
 
 FRAGMENT = 8  # A elements a thread holds per 16-wide K step
 
@@ -121,8 +121,8 @@ def conv_wg_tile(positions: int, channels: int, k: int, groups: int, dtype: DTyp
         return WgTile(t.bm, narrow, t.stages, t.producer) if narrow < t.bn else t
 
     candidates = tuple(dict.fromkeys(narrowed(t) for t in wg_candidates(positions, persistent=False)))
-    problem = TileProblem("conv-wgmma", positions, channels, k, groups, dtype.value, target.name)
-    tile, chosen = pick(problem, target.tiles, candidates, narrowed(choose_wg_tile(positions, channels)))
+    tile, chosen = choose("conv-wgmma", positions, channels, k, groups, dtype, target, candidates,
+                          narrowed(choose_wg_tile(positions, channels)))
     assert wgmma_n_ok(tile.bn), tile
     return tile, chosen
 

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from sextant.graph.dtypes import DType
+
+if TYPE_CHECKING:
+    from sextant.schedule.target import TargetDesc
 
 
 class NamedTile(Protocol):
@@ -95,3 +100,11 @@ def pick(problem: TileProblem, table: TileTable, candidates: Sequence[T], defaul
     meta = {"problem": problem.key, "candidates": tuple(t.name for t in candidates), "tile_name": chosen.name,
             "tile_source": source}
     return chosen, meta
+
+
+def choose(mapping: str, m: int, n: int, k: int, batch: int, dtype: DType, target: TargetDesc,
+           candidates: Sequence[T], default: T) -> tuple[T, dict]:
+    """:func:`pick` for one mapping's problem on ``target`` (its table, its arch): the one place
+    the problems a kernel records are keyed, so the tuner's forced choices always apply."""
+    problem = TileProblem(mapping, m, n, k, batch, dtype.value, target.name)
+    return pick(problem, target.tiles, candidates, default)
