@@ -222,9 +222,12 @@ def pointwise_as_matmul(graph: Graph, columns: int) -> Graph:
     into NCHW, 256 scalar stores per 1024 FMAs at ResNet's K = 64 (its 64→256 1×1 layer ran at 26 %
     of the FMA peak on an Emerald Rapids VM). The weight is read in place as the matmul's A.
 
-    Only where the positions are whole strips of the micro-tile's ``columns``: the matmul's last
-    partial strip takes a scalar path, strided through B, which at 14×14 or 7×7 positions cost more
-    than the orientation saves (1024→256 at 14×14: 120 → 27 GFLOP/s); those keep the implicit GEMM."""
+    Only where the positions are whole strips of the micro-tile's ``columns``. The matmul's last
+    partial strip took a scalar path, strided through B, which at 14×14 or 7×7 positions cost more
+    than the orientation saved (1024→256 at 14×14: 120 → 27 GFLOP/s); it now runs the micro-kernel
+    on a zero-padded copy (``cpu_gemm._pad_strip``), and the two orientations measured even on
+    ResNet-50's 14×14 and 7×7 layers (2 Zen 3 cores, 69–107 GFLOP/s either way, within the VM's
+    noise), so those keep the implicit GEMM."""
 
     def fn(n: Node) -> Node | None:
         if n.op != "conv" or n.attr("groups") != 1:
