@@ -146,6 +146,12 @@ NONNEG = {"x": (0, 99), "y": (0, 63)}
     (b("fmod", add(mul(X, c(256)), Y), c(64)), {"x": (0, 15), "y": (0, 255)}, "y & 63"),
     (b("shr", add(mul(X, c(16)), Y), c(4)), {"x": (-9, 9), "y": (-20, 20)}, "x + (y >> 4)"),  # floor: any sign
     (b("div", add(X, c(64)), c(64)), {"x": (0, 100)}, "(x >> 6) + 1"),
+    # a common factor of the terms and the divisor, the constant below it: an unrolled 7x7 tap
+    (b("div", add(mul(X, c(7)), c(3)), c(49)), {"x": (0, 20)}, "x / 7"),
+    (b("div", add(mul(X, c(6)), mul(Y, c(4))), c(8)), {"x": (0, 9), "y": (0, 9)}, "x * 3 + y * 2 >> 2"),
+    (b("div", add(mul(X, c(7)), c(7)), c(49)), {"x": (0, 20)}, "(x + 1) / 7"),  # split first: 7 | 7
+    (b("div", add(mul(X, c(7)), c(3)), c(49)), {"x": (-3, 20)}, "(x * 7 + 3) / 49"),  # x < 0: kept
+    (b("div", add(mul(X, c(7)), c(3)), c(49)), {}, "(x * 7 + 3) / 49"),  # may wrap: kept
     # ... and only when the parts and their sum cannot overflow
     (b("div", add(mul(X, c(8)), Y), c(8)), {"x": (2**27 - 4, 2**27 - 1), "y": (0, I32_MAX)}, "(x * 8 + y) / 8"),
     (b("fmod", add(mul(X, c(8)), Y), c(8)), {"x": (2**27 - 4, 2**27 - 1), "y": (0, I32_MAX)}, "(x * 8 + y) % 8"),

@@ -109,12 +109,14 @@ def test_padding_is_copied_once_and_weights_laid_out_in_strips() -> None:
     assert any(n is layout for n in program.graph.nodes)  # the program's graph names the buffer
 
 
-@pytest.mark.parametrize("kernel, trips", [((3, 3), 16), ((1, 5), 16), ((5, 5), 16 * 25)])
+@pytest.mark.parametrize("kernel, trips", [((3, 3), 16), ((1, 5), 16), ((5, 5), 16 * 5), ((7, 7), 16 * 7)])
 def test_a_small_window_is_unrolled_in_the_k_loop(kernel, trips) -> None:
     """Up to ``MAX_UNROLLED_TAPS`` taps per input channel are unrolled: the k loop runs once per
     channel and each tap's input offset is the channel's plus a constant (no division of k by the
-    window size per step — on a 6-wide Intel core that integer work halved the FMA rate)."""
+    window size per step — on a 6-wide Intel core that integer work halved the FMA rate). Larger
+    windows unroll their innermost row: once per channel and kernel row."""
     from sextant.kernel.ir import For, iter_stmts
+    from sextant.kernel.printer import print_stmt
 
     pad = tuple(k // 2 for k in kernel)
     program, got, want = _run(nn.Conv2d(16, 40, kernel, padding=pad), torch.randn(1, 16, 7, 9), 64)
@@ -122,6 +124,11 @@ def test_a_small_window_is_unrolled_in_the_k_loop(kernel, trips) -> None:
     (conv,) = [k for name, k in program.kernels.items() if name.startswith("conv")]
     k_loops = [s for s in iter_stmts(conv.body) if isinstance(s, For) and s.var.name.startswith("k")]
     assert {s.stop.value for s in k_loops} == {trips}
+    # one quotient at most per trip (a 7×7 window's channel, k / 7), none per tap: the simplifier
+    # folds each tap's (7·k + t) / 49 into that same k / 7
+    for loop in k_loops:
+        quotients = {line.split(" = ", 1)[1] for line in print_stmt(loop) if " / " in line}
+        assert len(quotients) <= 1, quotients
 
 
 def test_weights_computed_from_an_input_are_laid_out_per_call() -> None:
