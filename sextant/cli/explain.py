@@ -60,7 +60,7 @@ def _counters(build: Build) -> tuple[dict[str, Any] | None, str]:
     example inputs, or None with the reason."""
     if build.target != "cuda-sim":
         return None, "memory counters need --target cuda-sim (they come from running the GPU kernels on the CPU)"
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     c, m = build.compiled, build.model
     return count_program(c.stages["program"], c.flat_inputs(m.args, m.kwargs)), ""

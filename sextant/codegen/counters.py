@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from llvmlite import ir
 
+from sextant.codegen.cpu_module import CpuModule
 from sextant.codegen.scalar_math import I32, I64
 from sextant.kernel.ir import Kernel
-from sextant.runtime.cpu import CpuModule
 
 if TYPE_CHECKING:
     from sextant.codegen.llvm_cpu import _KernelLowering
@@ -327,15 +327,3 @@ def _vector_accesses(sites: list[tuple[np.ndarray, Site]]) -> list[list[np.ndarr
             out.append([span])
             first = block
     return out
-
-
-def count_program(program: object, inputs: Sequence[torch.Tensor]) -> dict[str, KernelCounters]:
-    """Run a scheduled GPU ``program`` once on ``inputs`` through a counting cuda-sim build and
-    return each kernel's counters (summed over its launches)."""
-    from sextant.codegen.llvm_cpu import compile_kernels
-    from sextant.runtime.program_runner import ProgramRunner
-
-    module = compile_kernels(list(program.kernels.values()), count_accesses=True)  # type: ignore[attr-defined]
-    assert isinstance(module, CountingCpuModule)
-    ProgramRunner(program, module.launch)(list(inputs))  # type: ignore[arg-type]
-    return module.counters

@@ -37,6 +37,7 @@ from sextant.codegen import cpu_hopper as hopper
 from sextant.codegen import cpu_tensor_core as tc
 from sextant.codegen.counters import AccessCounter, CountInfo, CountingCpuModule
 from sextant.codegen.cpu_matrix import pair_dot
+from sextant.codegen.cpu_module import CpuModule, estimate_work
 from sextant.codegen.errors import CodegenError
 from sextant.codegen.lane_builder import LaneBuilder
 from sextant.codegen.lanes import CONTIGUOUS, LanePlan, plan_lanes
@@ -97,7 +98,6 @@ from sextant.kernel.ir import (
 )
 from sextant.kernel.sizes import dim_expr
 from sextant.kernel.tiles import expand_tiles
-from sextant.runtime.cpu import CpuModule, estimate_work
 
 PTR = ir.PointerType()
 HEAP_BYTES = 64 * 1024  # arrays larger than this are malloc'd, not on the (thread's) stack ...

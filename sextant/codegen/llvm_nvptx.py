@@ -40,6 +40,7 @@ from sextant.codegen.lowering import LoweringBase
 from sextant.codegen.scalar_math import I1, I8, I16, I32, I64, ScalarMath, mem_type, reg_type
 from sextant.codegen.simt import WARP_OPS, register_types
 from sextant.graph.dtypes import DType
+from sextant.kernel.devices import max_shared_bytes
 from sextant.kernel.ir import (
     Barrier,
     Buffer,
@@ -69,7 +70,6 @@ from sextant.kernel.ir import (
     iter_stmts,
 )
 from sextant.kernel.wgmma import SWIZZLE_ALIGN, TensorMap, kernel_tensor_maps
-from sextant.schedule.target import max_shared_bytes
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"

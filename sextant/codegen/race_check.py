@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING
 import torch
 from llvmlite import ir
 
+from sextant.codegen.cpu_module import CpuModule
 from sextant.codegen.scalar_math import I1, I8, I32, I64
 from sextant.errors import SextantError
 from sextant.kernel.ir import CpAsync, CpAsyncCommit, CpAsyncWait, Kernel, iter_stmts
-from sextant.runtime.cpu import CpuModule
 
 if TYPE_CHECKING:
     from sextant.codegen.llvm_cpu import _KernelLowering

@@ -295,7 +295,7 @@ class _Report:
 def render_report(compiled: Any, gpu: str | GpuSpec = "H100", counters: dict[str, Any] | None = None) -> str:
     """The report page for a :class:`~sextant.runtime.compiled.CompiledModule`, with roofline
     estimates for ``gpu`` (``"A100"``, ``"H100"``, ``"H200"``) and, given cuda-sim's
-    ``counters`` (``codegen.counters.count_program``), each kernel's bank conflicts, coalescing
+    ``counters`` (``runtime.counting.count_program``), each kernel's bank conflicts, coalescing
     and tensor-core instructions next to ptxas's figures."""
     return _Report(compiled, gpu, counters).render()
 

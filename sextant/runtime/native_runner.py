@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from sextant.codegen.cpu_module import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
 from sextant.codegen.executor import BARRIER, CALL_FIELDS, FIELDS, MAX_ARGS, PARALLEL, executor, packed_executor
 from sextant.kernel.sizes import instantiate
-from sextant.runtime.cpu import PARALLEL_WORK, CpuModule, LaunchError, estimate_work, workers
 from sextant.runtime.extern import run_extern
 from sextant.runtime.program_runner import ThreadArenas, call_inputs, empty, updated_inputs
 from sextant.schedule.program import CollectiveCall, Layout, Program, bounded_put
@@ -58,7 +58,7 @@ def _pool(helpers: int) -> ThreadPoolExecutor:
 
 def _forget_pools_in_child() -> None:
     """A forked child inherits the pools but none of their threads: a plan's workers would never start
-    (see ``runtime.cpu``). The child builds its own on first use."""
+    (see ``codegen.cpu_module``). The child builds its own on first use."""
     global _pools, _pools_lock
     _pools, _pools_lock = {}, threading.Lock()
 

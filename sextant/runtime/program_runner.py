@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from sextant.runtime.cpu import CpuModule, LaunchError
+from sextant.codegen.cpu_module import CpuModule, LaunchError
 from sextant.runtime.extern import run_extern
 from sextant.schedule.program import Launch, Layout, Program, bounded_put
 
@@ -114,7 +114,7 @@ class _Bound:
 
 class ProgramRunner:
     """Runs a program launch by launch through ``launch`` (a target's, or a checking or counting
-    build's). With a plain :class:`~sextant.runtime.cpu.CpuModule`'s ``launch`` the launches are
+    build's). With a plain :class:`~sextant.codegen.cpu_module.CpuModule`'s ``launch`` the launches are
     bound once per thread and binding (``CpuModule.bind``: buffers checked, argument arrays
     built), and a call writes its inputs' and outputs' addresses into them: ~1 µs a launch, not
     ~20 (the checks and the argument array per launch)."""

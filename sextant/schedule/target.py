@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from sextant.host import host_amx, host_pair_dot, host_vector_bytes
+from sextant.kernel.devices import max_shared_bytes
 from sextant.schedule.tuning import NO_TILES, TileTable
 
 
@@ -48,21 +49,13 @@ def cpu_target(cores: int | None = None, vector_bytes: int | None = None, pair_d
 
 def sm90_target() -> TargetDesc:
     """NVIDIA Hopper (H100/H200): 132 SMs, warps of 32, 227 KiB of shared memory per block."""
-    return TargetDesc("sm_90", cores=132, warp=32, shared_bytes=_SHARED[90], vector_bytes=16, max_threads=1024,
-                      is_gpu=True)
+    return TargetDesc("sm_90", cores=132, warp=32, shared_bytes=max_shared_bytes(90), vector_bytes=16,
+                      max_threads=1024, is_gpu=True)
 
 
 # SMs of the data-centre part of each architecture (A100, A10-class, L40, H100/H200 SXM, B200): the
 # elementwise mapping sizes its vector choice by them.
 _SMS = {80: 108, 86: 84, 89: 142, 90: 132, 100: 148}
-# Shared memory one block may use (CUDA's cudaDevAttrMaxSharedMemoryPerBlockOptin): 48 KiB
-# static, the rest dynamic (codegen/llvm_nvptx.py switches a kernel over past 48 KiB).
-_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
-
-
-def max_shared_bytes(sm: int) -> int:
-    """The shared memory one block of compute capability ``sm`` (e.g. 90) may use, opted in."""
-    return _SHARED.get(sm, 48 * 1024)
 
 
 def gpu_target(arch: str = "sm_90", tf32: bool = False, tiles: TileTable = NO_TILES) -> TargetDesc:

@@ -386,7 +386,7 @@ def snippet_tc_ptxas() -> str:
 
 def snippet_tc_counters() -> str:
     """cuda-sim's counters for the same f16 MLP (``sextant explain --counters`` prints these lines)."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     cm = _tc_gpu()
     program = cm.stages["program"]
@@ -413,7 +413,7 @@ def snippet_tile_ranking() -> str:
 def snippet_splitk_schedule() -> str:
     """A decode step's f16 MLP (16 tokens, 256 → 1024 → 256) for sm_90: the down projection's 4
     tiles split K; the schedule dump with ptxas's figures, then cuda-sim's counters."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).half()
@@ -491,7 +491,7 @@ def snippet_fa_ptxas() -> str:
 
 def snippet_fa_counters() -> str:
     """cuda-sim's counters for the same kernel (``sextant explain --counters``)."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     program = _fa_program()
     counted = count_program(program, _fa_inputs())
@@ -755,7 +755,7 @@ def _decode_attention() -> tuple[sextant.CompiledModule, tuple]:
 def snippet_decode_attention_schedule() -> str:
     """A batch-1 decode step's attention for sm_90: split-key partials and their combine, with
     ptxas's figures and cuda-sim's counters."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     cm, args = _decode_attention()
     program = cm.stages["program"]

@@ -13,7 +13,7 @@ from torch import nn
 
 import sextant
 from sextant.codegen import compile_kernels
-from sextant.codegen.counters import KernelCounters, count_program
+from sextant.codegen.counters import KernelCounters
 from sextant.examples import EXAMPLES
 from sextant.graph.dtypes import DType
 from sextant.kernel.ir import (
@@ -33,6 +33,7 @@ from sextant.kernel.ir import (
     mul,
 )
 from sextant.kernel.verifier import verify_kernel
+from sextant.runtime.counting import count_program
 
 F32, F16 = DType.f32, DType.f16
 TID = Special("tid", "x")

@@ -176,7 +176,7 @@ def test_registers_after_the_loop_hold_the_last_lane(monkeypatch):
 
 
 def test_buffers_carry_alias_scopes_and_overlapping_writes_are_refused():
-    from sextant.runtime.cpu import LaunchError
+    from sextant.codegen.cpu_module import LaunchError
 
     k = one_block("copy", (Buffer("x", F32, 16), Buffer("y", F32, 16, role="out")),
                   (unrolled((Store("y", U, Load("x", U, F32)),), 16),))

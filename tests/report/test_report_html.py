@@ -158,7 +158,7 @@ def test_source_lines_resolve() -> None:
 def test_cuda_sim_counters_sit_next_to_ptxas() -> None:
     """Given cuda-sim's counters, each kernel shows its bank conflicts, coalescing and MMA count;
     fused f16 attention is one tensor-core kernel there."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     class Attention(torch.nn.Module):
         def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import sextant
+from sextant.codegen.cpu_module import CpuModule
 from sextant.codegen.llvm_cpu import compile_kernels
 from sextant.codegen.llvm_nvptx import emit_ptx
 from sextant.examples import EXAMPLES
@@ -28,7 +29,6 @@ from sextant.graph.passes import run_pipeline
 from sextant.kernel.sizes import instantiate
 from sextant.kernel.wgmma import kernel_tensor_maps
 from sextant.runtime.compiled import CompiledModule
-from sextant.runtime.cpu import CpuModule
 from sextant.runtime.cuda import CudaError, CudaRunner, CudaUnavailableError, SymbolicCudaRunner, require_cuda
 from sextant.runtime.cuda_graph import ParamBlock, plan, topological_orders_ok
 from sextant.runtime.tensor_maps import kernel_map_slots

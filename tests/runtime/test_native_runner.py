@@ -127,8 +127,8 @@ def test_a_small_forward_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_call_writes_its_buffers_into_slots_bound_once_and_makes_one_packed_call() -> None:
+    from sextant.codegen.cpu_module import LaunchError
     from sextant.examples import EXAMPLES
-    from sextant.runtime.cpu import LaunchError
 
     model, args = EXAMPLES["mlp"]()
     compiled = sextant.compile(model, args, target="cpu")
@@ -146,8 +146,8 @@ def test_a_call_writes_its_buffers_into_slots_bound_once_and_makes_one_packed_ca
 
 
 def test_the_launch_by_launch_runner_binds_a_plain_module_only() -> None:
+    from sextant.codegen.cpu_module import LaunchError
     from sextant.examples import EXAMPLES
-    from sextant.runtime.cpu import LaunchError
 
     model, (x,) = EXAMPLES["mlp"]()
     program = schedule(run_pipeline(sextant.capture(model, (x,))), cpu_target())
@@ -175,7 +175,7 @@ def test_the_launch_by_launch_runner_binds_a_plain_module_only() -> None:
 
 @pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
 def test_an_input_updated_in_place_may_not_overlap_another(target: str) -> None:
-    from sextant.runtime.cpu import LaunchError
+    from sextant.codegen.cpu_module import LaunchError
 
     class UpdatesArgument(nn.Module):
         def forward(self, cache: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -152,7 +152,7 @@ def test_flash_kernel_assembles_without_spills_and_runs_on_hmma(arch: str) -> No
 @pytest.mark.slow  # ~40 s of cuda-sim counters
 def test_flash_kernel_counters() -> None:
     """Conflict-free ldmatrix on the padded K/V tiles, and both products on tensor cores."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     q = torch.randn(1, 2, 100, 64).half()
     program = schedule(run_pipeline(sextant.capture(Sdpa(is_causal=True), (q, q, q))), gpu_target("sm_90"))
@@ -168,7 +168,7 @@ def test_flash_kernel_counters() -> None:
 def test_causal_attention_skips_the_masked_key_tiles(target: str) -> None:
     """The causal mask stays ``key <= query`` on iotas (constant folding keeps index predicates); the
     matcher sees it and the kernels stop each query (tile) at its diagonal — same result, fewer tiles."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     dtype = torch.float16 if target == "cuda-sim" else torch.float32
     q, k, v = (torch.randn(1, 1, 320, 16).to(dtype) for _ in range(3))
@@ -269,7 +269,7 @@ def test_causal_mask_tables_skip_the_masked_key_tiles(target: str, name: str) ->
     """A constant mask table is evaluated at schedule time: the causal pattern (GPT-2's folded
     additive mask, a boolean tril) skips the tiles past the diagonal like an iota mask, anything
     else (padding, a shifted diagonal) computes every tile; both match eager."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     dtype = torch.float16 if target == "cuda-sim" else torch.float32
     table, causal = _tables(320, dtype)[name]

@@ -136,7 +136,7 @@ def test_hidden_key_tiles_are_skipped() -> None:
 def test_skipped_tiles_read_nothing_counters() -> None:
     """cuda-sim's counters (block 0: the first split, the first 64 keys) with those keys visible and
     hidden (left padding): hidden, block 0 reads Q and the mask, not one row of K or V."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     q, k, v = _inputs(torch.float16, 1, 1, 1, 1, 256, seed=2)
     counts = {}

@@ -152,7 +152,7 @@ class ConvNet(nn.Module):
 def test_half_convolutions_run_on_tensor_cores(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The implicit GEMM through the same tensor-core body: race-checked on cuda-sim, conflict-free
     shared memory, 0 spills, within half tolerance of f32 eager on the same weights."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     torch.manual_seed(0)
     model, x = ConvNet().eval().to(dtype), torch.randn(2, 8, 15, 13).to(dtype)

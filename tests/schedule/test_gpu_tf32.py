@@ -65,7 +65,7 @@ def test_tf32_matmul_is_the_product_of_truncated_inputs(shape: tuple[int, int, i
 
 def test_linear_layers_stage_the_weight_as_nxk(tf32_allowed: None) -> None:
     """A Linear's Wᵀ is read from the stored W (N×K) by cp.async; bias and GELU stay fused."""
-    from sextant.codegen.counters import count_program
+    from sextant.runtime.counting import count_program
 
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(96, 80), nn.GELU(), nn.Linear(80, 40)), torch.randn(3, 37, 96)

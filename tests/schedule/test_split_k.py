@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import sextant
-from sextant.codegen.counters import count_program
 from sextant.codegen.llvm_cpu import compile_kernels
 from sextant.codegen.ptxas import assemble
 from sextant.graph.builder import GraphBuilder
@@ -23,6 +22,7 @@ from sextant.graph.ops import IRTypeError
 from sextant.graph.parser import parse_graph
 from sextant.graph.passes import run_pipeline
 from sextant.graph.reference import run_graph
+from sextant.runtime.counting import count_program
 from sextant.runtime.program_runner import ProgramRunner
 from sextant.schedule.program import schedule
 from sextant.schedule.split_k import MAX_SPLITS, slice_depth, split_factor, split_k

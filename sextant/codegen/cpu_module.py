@@ -1,5 +1,9 @@
 """Running JIT-compiled kernels on the CPU: ctypes calls spread over a pool of threads.
 
+What the CPU code generator returns (``llvm_cpu.compile_kernels``) and the counting and
+race-checking builds run; the runtime's runners launch it. It lived in ``runtime/`` until
+2026-12, which made codegen import upwards.
+
 A kernel function is ``void NAME(i8** args, i32 block_begin, i32 block_end)``. ctypes drops
 the GIL around the call, so block ranges handed to a thread pool run truly in parallel. The
 compiled code keeps all scratch on its own stack (or heap), so any number of Python threads
