@@ -373,8 +373,8 @@ def micro_tile(target: TargetDesc) -> tuple[int, int]:
 
 def narrow_columns(n: int, nr: int) -> int:
     """The register tile's columns for a matrix narrower than one strip (attention's ``P·V`` with a
-    head size of 8 or 16): the widest power of two ≥ 4 that divides ``n``, so the whole matrix runs
-    the vector micro-kernel instead of the scalar edge path."""
+    head size of 8 or 16): the widest power of two ≥ 4 that divides ``n``, so the micro-kernel
+    computes no padded lanes (a full-width strip would be a zero-padded copy, half of it zeros)."""
     if n >= nr:
         return nr
     w = nr
@@ -432,8 +432,8 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     Rocket Lake Xeon GPT-2's 3072→768 product ran 3.5× eager, 1.5× with it (128×3072×768:
     6.5 → 2.6 ms); at K = 768 it measured ±10 % either way, so shorter K are not blocked. Not
     done: packing A (8 broadcast streams, each sequential in k).
-    Rows past M are computed on a clamped row and not stored; columns cut by the matrix edge take a
-    plain per-element path. The epilogue runs per element, a row's columns as vector lanes (C is
+    Rows past M are computed on a clamped row and not stored; a strip cut by the matrix edge runs
+    the micro-kernel from a zero-padded copy of its columns (``cpu_gemm._pad_strip``). The epilogue runs per element, a row's columns as vector lanes (C is
     contiguous along them; MobileNet's 32→192 pointwise layer, ``W @ x`` with K = 32, 528 → 349 µs:
     with so short a K the scalar epilogue had cost more than the k loop). The loops are ``cpu_gemm.gemm_kernel``,
     shared with the convolution's implicit GEMM.

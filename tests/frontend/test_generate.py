@@ -52,7 +52,7 @@ def compiled_modules(monkeypatch):
 
 @pytest.mark.parametrize("family,target,batch", [
     ("llama", "cpu", 1), ("llama", "cpu", 2), ("qwen2", "cpu", 2), ("gemma", "cpu", 1), ("gpt2", "cpu", 2),
-    ("llama", "cuda-sim", 2),
+    pytest.param("llama", "cuda-sim", 2, marks=pytest.mark.slow),  # ~38 s; make test-slow
 ])
 def test_static_cache_generate_compiles_every_graph(compiled_modules, family, target, batch):
     model = _model(family)

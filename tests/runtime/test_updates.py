@@ -191,7 +191,7 @@ def test_buffer_sharing_a_parameter_is_refused_with_its_name():
         sextant.compile(AliasedBuffer(), (torch.randn(4, 1), torch.tensor([0])), target="cpu", cache=False)
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cuda-sim", marks=pytest.mark.slow)])  # cuda-sim ~38 s
 def test_gpt_fast_style_decoder_matches_eager_token_for_token(target):
     """Prefill and decode are two static programs sharing the module's caches; every decode step
     runs the same program at a new position (an input, not a recompile)."""
@@ -216,7 +216,7 @@ def test_gpt_fast_style_decoder_matches_eager_token_for_token(target):
     assert dump.count(f"in place: 1 of {cfg.max_cache_len} positions along dim 2") == 2 * cfg.n_layers
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda-sim"])
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cuda-sim", marks=pytest.mark.slow)])  # cuda-sim ~28 s
 def test_decoder_with_symbolic_sequence_is_one_program(target):
     cfg = DecoderConfig.tiny()
     m, e = Decoder(cfg), Decoder(cfg)

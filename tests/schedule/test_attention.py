@@ -115,7 +115,7 @@ def test_f32_attention_on_the_gpu_stays_three_kernels_and_says_why() -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("dtype", [HALF[0], pytest.param(HALF[1], marks=pytest.mark.slow)], ids=str)  # ~13 s a case
 def test_half_attention_runs_the_tensor_core_flash_kernel(name: str, dtype: torch.dtype,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda-sim executes the mma/ldmatrix fragments as the PTX ISA lays them out, race-checked; the
@@ -127,7 +127,7 @@ def test_half_attention_runs_the_tensor_core_flash_kernel(name: str, dtype: torc
     torch.testing.assert_close(cm(*args).float(), _eager_f32(model, args), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_80", pytest.param("sm_90", marks=pytest.mark.slow)])  # ~15 s each
 def test_flash_kernel_assembles_without_spills_and_runs_on_hmma(arch: str) -> None:
     from sextant.codegen.llvm_nvptx import emit_ptx
     from sextant.codegen.ptxas import assemble

@@ -198,6 +198,7 @@ def test_decode_kernels_assemble_without_spills(arch: str) -> None:
             assert r.spill_stores == r.spill_loads == r.stack_frame == 0, (dtype, rows, d, name, r)
 
 
+@pytest.mark.slow  # ~33 s of cuda-sim; make test-slow
 def test_decoder_steps_on_cuda_sim_match_eager() -> None:
     """``sextant.decoder`` (one layer) with a 256-slot static cache (fp16, 4 heads over 2): a prefill, then decode
     steps whose attention is split-key, updating the caches in place; the tokens are eager's."""

@@ -63,6 +63,7 @@ def test_tf32_matmul_is_the_product_of_truncated_inputs(shape: tuple[int, int, i
     torch.testing.assert_close(cm(a, b), Epilogue()(a, b), rtol=1e-2, atol=1e-2 * k**0.5)
 
 
+@pytest.mark.slow  # ~16 s; make test-slow
 def test_linear_layers_stage_the_weight_as_nxk(tf32_allowed: None) -> None:
     """A Linear's Wᵀ is read from the stored W (N×K) by cp.async; bias and GELU stay fused."""
     from sextant.runtime.counting import count_program

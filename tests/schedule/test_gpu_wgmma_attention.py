@@ -129,6 +129,7 @@ def test_kernel_reads_p_from_registers_and_kv_through_tma(monkeypatch: pytest.Mo
     assert text.count("__syncthreads()") == 1  # the producer and the consumer meet only at mbarriers
 
 
+@pytest.mark.slow  # ~11 s; make test-slow
 def test_checked_build_reports_a_producer_that_would_hang() -> None:
     """The consumers never release a K/V stage: the producer would wait forever for it."""
     import dataclasses
@@ -174,6 +175,7 @@ def test_additive_mask_and_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(cm(q, k, v, mask).float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow  # ~13 s; make test-slow
 def test_slices_of_one_projection_are_read_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """K and V start 128 and 256 elements into each row of the projection's output: the offset
     becomes a shift of the head coordinate, so no copy is made."""
@@ -187,7 +189,8 @@ def test_slices_of_one_projection_are_read_in_place(monkeypatch: pytest.MonkeyPa
     torch.testing.assert_close(cm(x2).float(), mod.float()(x2.float()), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dt", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])  # ~30 s each
+@pytest.mark.slow  # ~30–38 s a dtype of cuda-sim; make test-slow
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
 def test_gpt2_two_layers_attention_on_wgmma(dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
@@ -214,9 +217,10 @@ def test_gpt2_two_layers_attention_on_wgmma(dt: torch.dtype, monkeypatch: pytest
     _assembled_cleanly(cm)
 
 
+@pytest.mark.slow  # ~20 s a case; make test-slow
 @pytest.mark.parametrize("head,arch,expected", [
     (48, "sm_90a", "flash-attention-tensor-core"),  # not a whole swizzled row
-    pytest.param(64, "sm_90", "flash-attention-tensor-core", marks=pytest.mark.slow),  # wgmma needs sm_90a (~18 s)
+    (64, "sm_90", "flash-attention-tensor-core"),  # wgmma needs sm_90a
 ])
 def test_other_attention_keeps_mma_sync(head: int, arch: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.randn(1, 2, 64, head).half()

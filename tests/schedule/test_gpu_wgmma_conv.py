@@ -59,7 +59,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "deep" else c
+                                  for c in CASES])  # "deep" ~20 s: make test-slow
 def test_conv_runs_on_wgmma_and_matches_eager(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     make, shape, dt, tile, specialized = CASES[case]
     torch.manual_seed(0)
@@ -95,6 +96,7 @@ def test_unaligned_weight_is_padded_at_compile_time(monkeypatch: pytest.MonkeyPa
     assert not padded[:, 27:].any()
 
 
+@pytest.mark.slow  # ~11 s; make test-slow
 def test_what_the_kernel_cannot_take_keeps_mma_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """K ≤ 8 (a 1×1 conv of 8 channels, a 2×2 one of 1, a transposed 2×2 of 2), few output channels
     a group (depthwise: direct), sm_90 without the ``a`` features: the mma.sync implicit GEMM or the

@@ -32,6 +32,7 @@ def test_dry_run_writes_a_row_per_case(tmp_path: Path) -> None:
     assert "tensor-core" not in rows["matmul-4096-fp32"]["kernels (unique)"]
 
 
+@pytest.mark.slow  # ~50 s of cuda-sim; CI runs it under make test-slow
 def test_dry_run_attention_cases_run_the_flash_kernel(tmp_path: Path) -> None:
     out = tmp_path / "gpu_bench.md"
     assert gpu_bench.main(["--dry-run", "--no-inductor", "--cases", "attention", "--out", str(out)]) == 0
@@ -45,6 +46,7 @@ def test_dry_run_attention_cases_run_the_flash_kernel(tmp_path: Path) -> None:
         assert float(row["max abs err"]) < 4e-3
 
 
+@pytest.mark.slow  # ~15 s a case; make test-slow
 @pytest.mark.parametrize("arch,conv", [(None, "3 tensor-core"), ("sm_90a", "3 tensor-core (3 wgmma+TMA)")])
 def test_dry_run_bottleneck_runs_its_convolutions_on_tensor_cores(tmp_path: Path, arch: str | None,
                                                                  conv: str) -> None:
@@ -97,6 +99,7 @@ def decode_dry_run(tmp_path_factory: pytest.TempPathFactory) -> str:
     return out.read_text()
 
 
+@pytest.mark.slow  # ~35 s (its fixture); make test-slow
 def test_dry_run_decode_case_generates_eager_tokens(decode_dry_run: str) -> None:
     """Prefill and decode programs compiled from one Decoder (KV caches updated in place, never
     copied back), a greedy generation timed per step, its tokens checked against eager's; the

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sextant.schedule import gpu_mma
 from sextant.tools import tile_study
 
 
+@pytest.mark.slow  # ~35 s; make test-slow
 def test_dry_run_compiles_and_checks_every_tile(tmp_path: Path) -> None:
     out = tmp_path / "tiles.md"
     code = tile_study.main(["--dry-run", "--variants", "--shapes", "4096x4096x4096", "--dtypes", "bf16",

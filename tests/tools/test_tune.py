@@ -142,6 +142,7 @@ def test_every_candidate_compiles_and_matches_eager(arch: str, mapping: str, can
     assert r.failed == {} and r.checked == list(r.candidates)
 
 
+@pytest.mark.slow  # ~40 s of cuda-sim; make test-slow
 def test_the_fastest_candidate_is_stored_and_later_compiles_use_it(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SEXTANT_TUNING", str(tmp_path))
@@ -189,6 +190,7 @@ def test_a_wrong_candidate_is_reported_not_stored(monkeypatch: pytest.MonkeyPatc
     assert "| ↳ 64x64/s4 failed | | max error 9 (scale 1) |" in tune.table("x", [r])
 
 
+@pytest.mark.slow  # ~13 s; make test-slow
 def test_problems_of_a_conv_net_on_both_mappings() -> None:
     """Convolutions name their implicit GEMM's problem: mma.sync (sm_80) and wgmma (sm_90a)."""
     torch.manual_seed(0)
