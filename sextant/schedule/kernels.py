@@ -433,9 +433,10 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
     6.5 → 2.6 ms); at K = 768 it measured ±10 % either way, so shorter K are not blocked. Not
     done: packing A (8 broadcast streams, each sequential in k).
     Rows past M are computed on a clamped row and not stored; a strip cut by the matrix edge runs
-    the micro-kernel from a zero-padded copy of its columns (``cpu_gemm._pad_strip``). The epilogue runs per element, a row's columns as vector lanes (C is
-    contiguous along them; MobileNet's 32→192 pointwise layer, ``W @ x`` with K = 32, 528 → 349 µs:
-    with so short a K the scalar epilogue had cost more than the k loop). The loops are ``cpu_gemm.gemm_kernel``,
+    the micro-kernel from a zero-padded copy of its columns (``cpu_gemm._pad_strip``). The
+    epilogue runs per element, a row's columns as vector lanes (C is contiguous along them;
+    MobileNet's 32→192 pointwise layer, ``W @ x`` with K = 32, 528 → 349 µs: with so short a K the
+    scalar epilogue had cost more than the k loop). The loops are ``cpu_gemm.gemm_kernel``,
     shared with the convolution's implicit GEMM.
 
     A Linear layer on a few rows (a decode step: M ≤ ``cpu_gemv.GEMV_MAX_ROWS``, B a weight
