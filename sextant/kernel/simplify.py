@@ -33,7 +33,7 @@ from sextant.graph.dtypes import DType
 from sextant.kernel.evaluate import Undefined, cast_value, int_binary, int_unary
 from sextant.kernel.facts import Env, Facts, assume, bounds
 from sextant.kernel.flow import Ranges, loop_range
-from sextant.kernel.intervals import CMP_NEGATE, CMP_SWAP, int_range, is_intlike, wrap
+from sextant.kernel.intervals import CMP_NEGATE, CMP_SWAP, Interval, int_range, is_intlike, wrap
 from sextant.kernel.ir import (
     ASYNC_COPY,
     CPU_MATRIX,
@@ -257,9 +257,9 @@ class _Simplifier:
         if isinstance(a, Binary) and a.op == "div" and (k1 := _k(a.b)) is not None and k1 > 0 \
                 and k1 * k <= int_range(dt)[1]:
             return self.node("div", a.a, self.c(k1 * k, a))
-        if (scaled := self.common_factor(a, k)) is not None:
-            return scaled
         ba = bounds(a, self.env)
+        if (scaled := self.common_factor(a, k, ba)) is not None:
+            return scaled
         if ba is not None and -k < ba[0] and ba[1] < k:
             return self.c(0, a)
         if ba is not None and ba[0] >= 0 and (s := _log2(k)) is not None:
@@ -376,18 +376,18 @@ class _Simplifier:
             out = term if out is None else Binary("add", out, term, dt)
         return _const(const, dt) if out is None else self.with_offset(out, const)
 
-    def common_factor(self, a: Expr, k: int) -> Expr | None:
+    def common_factor(self, a: Expr, k: int, ba: Interval | None) -> Expr | None:
         """``(g·X + t) / k`` → ``X / (k/g)`` where ``g > 1`` divides ``k`` and every coefficient of
         ``a`` (the constant split as ``g·q + t``, ``q`` into ``X``), ``0 ≤ t < g`` and ``X ≥ 0``
         (so ``a`` is too and both divisions floor): an unrolled tap ``(7·k + 3) / 49`` of a 7×7
-        window becomes ``k / 7``, the same for every tap of the trip. ``None`` where the rule does not apply."""
+        window becomes ``k / 7``, the same for every tap of the trip. ``ba``: ``a``'s bounds, which
+        the caller has. ``None`` where the rule does not apply."""
         dt = a.dtype
         terms, const = _linear(a)
         g = math.gcd(k, *(cf for cf, _ in terms)) if terms else 1
         if g <= 1:
             return None
         q, t = divmod(const, g)
-        ba = bounds(a, self.env)
         x = self.build([(cf // g, term) for cf, term in terms], q, dt)
         bx = bounds(x, self.env)
         if ba is None or bx is None or ba[0] < 0 or bx[0] < 0 or bx[1] * g + t > int_range(dt)[1]:

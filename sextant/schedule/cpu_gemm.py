@@ -258,7 +258,7 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                     else:
                         fast(bidx, i0, j0, strip, base, False, kb, rt)
 
-                if n % nr == 0:
+                if not ragged:
                     then()
                     return
                 with e.scope() as fast_path:
