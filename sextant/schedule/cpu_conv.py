@@ -19,6 +19,10 @@ which kept a 6-wide Intel core's front end busy: 3×3 layers ran at half the GFL
 window unrolls its innermost row (:func:`unrolled_taps`; ResNet's 7×7 stem 43 → 66 GFLOP/s, a
 5×5 layer 33 → 59, 2 Zen 3 cores).
 
+In bf16 on a CPU with AVX-512-BF16 the weight is laid out in pairs of K and the k loop runs
+``PairDot`` steps (:func:`uses_pair_conv`; the reads of A are the same, two per pair): ResNet-50's
+3×3 layers 160–186 → 326–366 GFLOP/s on 2 Zen 4 cores, where oneDNN's bf16 reaches 290–319.
+
 A 1×1 convolution over positions that fill whole strips is not mapped here at all: it is the
 matmul ``W @ x`` with positions as the vector columns (:func:`pointwise_as_matmul`), where B is
 contiguous without any layout.
@@ -46,12 +50,14 @@ from sextant.graph.passes.rewrite import rebuild
 from sextant.graph.symbolic import SymbolicShapeError, is_symbolic
 from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, If, Kernel, Load, Select, Store, Var
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
-from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imod, imul, strides
+from sextant.schedule.cpu_pairs import pair_lanes, pair_weight
+from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imod, imul, linearize, strides
 from sextant.schedule.partition import Group, append_layouts, layout_chain, params_only
 from sextant.schedule.target import TargetDesc
 
 MIN_GROUP_COLUMNS = 2  # output channels per group below which (depthwise) the GEMM is not used
 CONV_BLOCK_M, CONV_BLOCK_N = 128, 64  # C tile per block, as for matmul
+PAIR_POINTWISE_MIN_K = 128  # input channels from which a bf16 1×1 layer stays on the pair dot (pointwise_as_matmul)
 MAX_UNROLLED_TAPS = 9  # a kernel window of up to this many taps is unrolled in the k loop (see conv_gemm_kernel)
 
 
@@ -73,17 +79,42 @@ def uses_gemm(cv: Node) -> bool:
     return w.shape[0] // cv.attr("groups") >= MIN_GROUP_COLUMNS
 
 
+def pair_steps_per_trip(cv: Node) -> int | None:
+    """Pair steps per trip of the implicit GEMM's k loop on the bf16 pair dot, or None where K does
+    not split into whole trips (the layer then keeps the widening path).
+
+    A pair step takes k and k + 1, which straddle taps and channels: a trip covers whole windows
+    *and* whole pairs — ``lcm(taps, 2)`` k steps, two input channels of a 3×3 layer — so every
+    tap's input offset is still the trip's plus a constant. Where K is not a whole number of such
+    trips (an odd channel count: a stem's 3 × 49) each pair step would divide k by the window."""
+    w = cv.inputs[1]
+    per_trip = math.lcm(unrolled_taps(w.shape[2:]), 2)
+    return None if math.prod(w.shape[1:]) % per_trip else per_trip // 2
+
+
+def uses_pair_conv(cv: Node, target: TargetDesc) -> bool:
+    """Whether an implicit-GEMM convolution runs on the pair dot product (``cpu_pairs``): bf16
+    input and weight, a CPU with the instruction, static sizes, K in whole trips."""
+    x, w = cv.inputs
+    return (not target.is_gpu and target.pair_dot and x.dtype == w.dtype == DType.bf16 and uses_gemm(cv)
+            and not is_symbolic(cv.shape) and not is_symbolic(x.shape) and pair_steps_per_trip(cv) is not None)
+
+
 def gemm_weight(cv: Node, target: TargetDesc) -> Node:
     """The weight as ``[G, strips, K, nr]``: output channels padded with zeros to whole strips of ``nr``
     columns, each strip contiguous, so a micro-tile streams its weights sequentially (a ``[K, Cout]``
     layout read ``nr`` columns at a time strides by rows: latency-bound for a batch-1 layer, where
-    the weights are read once). Evaluated at compile time."""
+    the weights are read once). On the pair dot (:func:`uses_pair_conv`) ``[G, strips, K/2, nr, 2]``,
+    pairs of K interleaved as ``cpu_pairs.pair_weight`` lays out a matmul's. Evaluated at compile
+    time."""
     w = cv.inputs[1]
     groups = cv.attr("groups")
     cout_g, k = w.shape[0] // groups, math.prod(w.shape[1:])
     nr = conv_columns(cv, target)
     b = GraphBuilder()
     b.loc = w.loc
+    if uses_pair_conv(cv, target):
+        return pair_weight(b.permute(b.reshape(w, (groups, cout_g, k)), (0, 2, 1)), nr)
     t = b.pad(b.permute(b.reshape(w, (groups, cout_g, k)), (0, 2, 1)), (0, 0, 0), (0, 0, -cout_g % nr))
     strips = t.shape[-1] // nr
     return b.permute(b.reshape(t, (groups, k, strips, nr)), (0, 2, 1, 3))
@@ -140,8 +171,7 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
             base = e.bind(base, "base")
 
             def read(kk: Expr, base: Expr = base) -> Expr:
-                v = Load(name, iadd(base, offset(bidx, kk)), x.dtype)
-                return v if v.dtype == acc_t else Cast(v, acc_t)
+                return Load(name, iadd(base, offset(bidx, kk)), x.dtype)
 
             readers.append(read)
         return readers
@@ -169,8 +199,7 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
                         inb = ok if inb is None else e.bind(Binary("bitwise_and", inb, ok, DType.bool), "inb")
                     pos.append(p)
                 v = e.value(x, (nn, iadd(gch, ci), *pos))
-                v = v if v.dtype == acc_t else Cast(v, acc_t)
-                return v if inb is None else Select(inb, v, Const(0.0, acc_t), acc_t)
+                return v if inb is None else Select(inb, v, Const(0.0, v.dtype), v.dtype)
 
             readers.append(read)
         return readers
@@ -186,6 +215,18 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
         store_epilogue(e, group, (nn, co, *o))
         e.regs.pop(id(cv))
 
+    gidx = (lambda bidx: bidx[0]) if groups > 1 else (lambda bidx: c(0))
+    if uses_pair_conv(cv, target):  # the weight in pairs of K (gemm_weight): [G, strips, K/2, nr, 2]
+
+        def pairs(bidx: Index, strip: Expr) -> tuple[str, Expr]:
+            return e.buffers[id(wt)], linearize((gidx(bidx), strip, c(0), c(0), c(0)), wt.shape)
+
+        spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
+                    CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, pairs=pairs, pair_lanes=pair_lanes(target, nr),
+                    k_unroll=pair_steps_per_trip(cv) or 1)
+        kernel = gemm_kernel(e, spec, name, params, BID)
+        kernel.meta.update(mapping="cpu-pair-dot", weight="[" + ", ".join(map(str, wt.shape)) + "] in pairs of K")
+        return kernel
     spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
                 CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, k_unroll=unrolled_taps(ksp))
     return gemm_kernel(e, spec, name, params, BID)
@@ -226,7 +267,7 @@ def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
     return graph, [p for _, w, p in layouts if params_only(w)]
 
 
-def pointwise_as_matmul(graph: Graph, columns: int) -> Graph:
+def pointwise_as_matmul(graph: Graph, columns: int, target: TargetDesc) -> Graph:
     """A 1×1 convolution (stride 1, no padding, one group) → ``W[Cout, Cin] @ x[N, Cin, positions]``.
 
     It is that product already, and as a matmul the output channels are the rows and the positions
@@ -240,10 +281,19 @@ def pointwise_as_matmul(graph: Graph, columns: int) -> Graph:
     than the orientation saved (1024→256 at 14×14: 120 → 27 GFLOP/s); it now runs the micro-kernel
     on a zero-padded copy (``cpu_gemm._pad_strip``), and the two orientations measured even on
     ResNet-50's 14×14 and 7×7 layers (2 Zen 3 cores, 69–107 GFLOP/s either way, within the VM's
-    noise), so those keep the implicit GEMM."""
+    noise), so those keep the implicit GEMM.
+
+    Nor where the layer runs on the bf16 pair dot (:func:`uses_pair_conv`) with at least
+    ``PAIR_POINTWISE_MIN_K`` input channels: the pair dot needs B laid out in pairs of K, which the
+    weight is and the activation is not, so as ``W @ x`` both operands would widen to f32 at half
+    the rate. ResNet-50's layers in bf16, 2 Zen 4 cores, GFLOP/s implicit GEMM on pairs against
+    ``W @ x`` widened: 256→64 at 56×56 172 / 102, 512→128 at 28×28 318 / 177, 128→512 254 / 151;
+    with 64 input channels the transposed NCHW stores weigh against 32 pair steps and the two
+    measured even or the matmul ahead (64→256 155–190 / 161–177, 64→64 110 / 137)."""
 
     def fn(n: Node) -> Node | None:
-        if n.op != "conv" or n.attr("groups") != 1:
+        if (n.op != "conv" or n.attr("groups") != 1
+                or (uses_pair_conv(n, target) and n.inputs[1].shape[1] >= PAIR_POINTWISE_MIN_K)):
             return None
         x, w = n.inputs
         sp = n.shape[2:]

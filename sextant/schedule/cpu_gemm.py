@@ -81,8 +81,8 @@ class Gemm:
     # the offset of the strip's first pair; None: both operands widened to acc_t and multiply-added
     pairs: Callable[[Index, Expr], tuple[str, Expr]] | None = None
     pair_lanes: int = 16  # f32 lanes of one PairDot (nr is a multiple)
-    # k steps per trip of the k loop, unrolled (k = trip·k_unroll + t with t a constant): a
-    # convolution's taps, whose input offsets are then constants added to the channel's
+    # steps (of K, or of pairs of K) per trip of the k loop, unrolled (k = trip·k_unroll + t with t a
+    # constant): a convolution's taps, whose input offsets are then constants added to the channel's
     k_unroll: int = 1
     # the epilogue's columns as vector lanes (an unrolled loop, ``codegen/lanes.py``): for stores
     # contiguous along the columns (a matmul's C); a convolution's NCHW stores stride by a plane
@@ -107,8 +107,9 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     kc = g.k_block if 0 < g.k_block < k else 0
     steps = (k + 1) // 2 if g.pairs else k  # iterations of the k loop: pairs of K, or single K
     kcs = kc // 2 if g.pairs else kc  # ... per K block
-    if g.k_unroll > 1 and (kc or g.pairs or steps % g.k_unroll):
-        raise ValueError(f"k_unroll {g.k_unroll} needs single K steps, unblocked, dividing K = {k}")
+    if g.k_unroll > 1 and (kc or steps % g.k_unroll or (g.pairs and k % 2)):
+        raise ValueError(f"k_unroll {g.k_unroll} needs an unblocked k loop whose {steps} steps it divides "
+                         f"(pairs of K: K = {k} even)")
     part = Buffer("part", acc_t, bm_ * nr, "local")  # a strip's partial sums between K blocks
     ragged = n % nr != 0  # the last strip is cut by the matrix edge
     if ragged and g.pairs is not None:
@@ -156,7 +157,8 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
 
         def pair_step(kp: Expr) -> None:
             """``mr`` rows of A, a pair of K each (zero past an odd K), times the strip's pairs."""
-            k0 = e.bind(imul(kp, 2), "k")
+            # unrolled (a convolution's taps), k stays an expression: the offsets fold into constants
+            k0 = imul(kp, 2) if g.k_unroll > 1 else e.bind(imul(kp, 2), "k")
             k1 = iadd(k0, c(1))
             rows = []
             for read in readers:

@@ -12,8 +12,9 @@ each strip's ``2·nr`` values per pair as ``nr/lanes`` vector loads.
 
 Taken when the target has the instruction (``TargetDesc.pair_dot``), both operands are bf16 and
 B is a weight (a param, or a movement of one) with static sizes. Not (yet) for products of two
-activations (attention's ``Q·Kᵀ``, ``P·V``), where B would need laying out per call, nor for
-convolutions' implicit GEMMs: those keep the widening path.
+activations (attention's ``Q·Kᵀ``, ``P·V``), where B would need laying out per call.
+Convolutions' implicit GEMMs run on the same micro-kernel with their weights in pairs
+(``cpu_conv.uses_pair_conv``).
 """
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def schedule(graph: Graph, target: TargetDesc, work: WorkCounter | None = None) 
     graph = in_place_updates(graph)  # every scatter then owns its operand's buffer (idempotent)
     split_notes: list[str] = []
     if not target.is_gpu:
-        graph = explicit_padding(pointwise_as_matmul(graph, micro_tile(target)[1]))
+        graph = explicit_padding(pointwise_as_matmul(graph, micro_tile(target)[1], target))
     else:
         graph, split_notes = split_k(graph, target)
     groups = partition(graph, work, store_conv_inputs=not target.is_gpu, contiguous_rhs=not target.is_gpu,
