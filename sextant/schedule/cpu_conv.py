@@ -27,6 +27,12 @@ A 1×1 convolution over positions that fill whole strips is not mapped here at a
 matmul ``W @ x`` with positions as the vector columns (:func:`pointwise_as_matmul`), where B is
 contiguous without any layout.
 
+The output is NCHW, contiguous along the rows (positions) and a plane apart along the columns:
+a full micro-tile's epilogue runs column by column with its rows as vector lanes
+(``Gemm.column_epilogue``; stores of 8 positions at once instead of one). ResNet-50's 1×1 layers
+with BN, residual and ReLU fused, 2 Zen 4 cores: fp32 256→1024 at 14×14 132 → 152 GFLOP/s, 128→512
+at 28×28 105 → 138; bf16 165 → 175 and 176 → 194; 3×3 layers (K ≥ 576) within 5 %.
+
 Why this orientation rather than output channels as rows and positions as the vector: positions
 are contiguous in memory only within an output row and only at stride 1 — the vector loads would
 become gathers — while the weight can be laid out at will. The cost is ``mr`` scalar loads (each
@@ -223,12 +229,12 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
 
         spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
                     CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, pairs=pairs, pair_lanes=pair_lanes(target, nr),
-                    k_unroll=pair_steps_per_trip(cv) or 1)
+                    k_unroll=pair_steps_per_trip(cv) or 1, column_epilogue=True)
         kernel = gemm_kernel(e, spec, name, params, BID)
         kernel.meta.update(mapping="cpu-pair-dot", weight="[" + ", ".join(map(str, wt.shape)) + "] in pairs of K")
         return kernel
     spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
-                CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, k_unroll=unrolled_taps(ksp))
+                CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, k_unroll=unrolled_taps(ksp), column_epilogue=True)
     return gemm_kernel(e, spec, name, params, BID)
 
 

@@ -87,6 +87,9 @@ class Gemm:
     # the epilogue's columns as vector lanes (an unrolled loop, ``codegen/lanes.py``): for stores
     # contiguous along the columns (a matmul's C); a convolution's NCHW stores stride by a plane
     vector_epilogue: bool = False
+    # the epilogue column by column, a full tile's rows as vector lanes: for stores contiguous along
+    # the rows (a convolution's NCHW output, whose positions are the rows); a partial tile row by row
+    column_epilogue: bool = False
 
 
 def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: Expr) -> Kernel:
@@ -213,19 +216,43 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
         def finish() -> None:
             loop(mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)
             masked = n_store < n or cut
+            column_mask = (lambda jj: Binary("lt", jj, c(n_store), DType.bool)) if masked else (lambda jj: None)
 
             def out_row(r: Var) -> None:
                 i = iadd(i0, r)
 
                 def out_col(j: Var) -> None:
                     jj = iadd(j0, j)
-                    guarded(Binary("lt", jj, c(n_store), DType.bool) if masked else None,
-                            lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
+                    guarded(column_mask(jj), lambda: g.epilogue(bidx, i, jj, Load("tile", iadd(imul(r, nr), j), acc_t)))
 
                 guarded(None if divisible(m, mr) else Binary("lt", i, c(m), DType.bool),
                         lambda: loop(nr, out_col, "j", unroll=g.vector_epilogue and not masked))
 
-            loop(mr, out_row, "r")
+            def by_rows() -> None:
+                loop(mr, out_row, "r")
+
+            def by_columns() -> None:
+                def out_col(j: Var) -> None:
+                    jj = iadd(j0, j)
+
+                    def lanes() -> None:
+                        loop(mr, lambda r: g.epilogue(bidx, iadd(i0, r), jj, Load("tile", iadd(imul(r, nr), j), acc_t)),
+                             "r", unroll=True)
+
+                    guarded(column_mask(jj), lanes)
+
+                loop(nr, out_col, "j")
+
+            if not g.column_epilogue:
+                by_rows()
+            elif divisible(m, mr):
+                by_columns()
+            else:  # the last row tile, past M, row by row
+                with e.scope() as full:
+                    by_columns()
+                with e.scope() as partial:
+                    by_rows()
+                e.emit(If(Binary("le", iadd(i0, c(mr)), c(m), DType.bool), tuple(full), tuple(partial)))
 
         if kb is None:
             finish()

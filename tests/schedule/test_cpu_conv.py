@@ -225,30 +225,33 @@ def test_pointwise_conv_is_a_matmul_over_whole_strips(shape, as_matmul, vector_b
         torch.testing.assert_close(got, model(x, r), atol=1e-5, rtol=1e-4)
 
 
-def test_matmul_epilogues_run_as_vector_lanes_and_conv_epilogues_do_not() -> None:
-    """A matmul's C is contiguous along the micro-tile's columns, so its epilogue loop is unrolled
-    for ``codegen/lanes.py`` (MobileNet's 32→192 pointwise layer at 28×28, ``W @ x`` with K = 32:
-    528 → 349 µs, the per-element epilogue having cost more than the k loop); a convolution's NCHW
-    stores stride by a plane, so its epilogue stays a loop. Both match eager (BN + ReLU6 fused)."""
+def test_epilogues_run_as_vector_lanes_along_the_contiguous_dimension() -> None:
+    """A matmul's C is contiguous along the micro-tile's columns, so its epilogue loop over them is
+    unrolled for ``codegen/lanes.py`` (MobileNet's 32→192 pointwise layer at 28×28, ``W @ x`` with
+    K = 32: 528 → 349 µs, the per-element epilogue having cost more than the k loop). A
+    convolution's NCHW output is contiguous along the rows (positions): a full tile's epilogue runs
+    column by column with its rows as lanes (``Gemm.column_epilogue``), the last tile, past M, row
+    by row. Both match eager (BN + ReLU6 fused)."""
     from sextant.kernel.ir import For, iter_stmts
 
-    def epilogue_unrolled(cm) -> list[bool]:
-        out = []
+    def epilogue_loops(cm) -> set[tuple[str, bool]]:
+        """(loop variable's prefix, unrolled) of the innermost loops that store an output."""
+        out = set()
         for kernel in cm.stages["program"].kernels.values():
-            # the innermost loops that store an output (inside a column mask where N is padded)
             loops = [s for s in iter_stmts(kernel.body) if isinstance(s, For)
                      and any(getattr(b, "buffer", "").startswith("out") for b in iter_stmts(s.body))
                      and not any(isinstance(b, For) for b in iter_stmts(s.body))]
-            out += [s.unroll for s in loops]
+            out |= {(s.var.name.rstrip("0123456789"), s.unroll) for s in loops}
         return out
 
-    for hw, unrolled in ((8, True), (7, False)):  # 64 positions: whole strips (W @ x); 49: the conv GEMM
+    # 64 positions: whole strips (W @ x); 49: the conv GEMM, 6 full row tiles of 8 and one past M
+    for hw, loops in ((8, {("j", True)}), (7, {("r", True), ("j", False)})):
         model = nn.Sequential(nn.Conv2d(32, 48, 1), nn.BatchNorm2d(48), nn.ReLU6()).eval()
         model[1].running_mean.uniform_(-1, 1)
         model[1].running_var.uniform_(0.5, 2)
         x = torch.randn(1, 32, hw, hw)
         cm = sextant.compile(model, (x,), target="cpu", cache=False)
-        assert set(epilogue_unrolled(cm)) == {unrolled}
+        assert epilogue_loops(cm) == loops
         with torch.no_grad():
             for t in (x, torch.randn_like(x)):
                 torch.testing.assert_close(cm(t), model(t), atol=1e-5, rtol=1e-4)
