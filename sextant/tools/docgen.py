@@ -804,12 +804,15 @@ class _ParallelBlock(nn.Module):
 
 
 @functools.cache
-def _parallel_block() -> sextant.CompiledModule:
-    """The block compiled in a world of one (gloo): the graph and schedule are those of any world
-    size, with this rank's shard sizes."""
+def _parallel_block():
+    """The block captured in a world of one (gloo) and scheduled for the pinned docs CPU: the graph
+    and schedule are those of any world size, with this rank's shard sizes (compiled for this host,
+    its weights' panel widths would follow the host's vector width)."""
     import tempfile
 
     import torch.distributed as dist
+
+    from sextant.schedule.program import schedule
 
     torch.manual_seed(0)
     started = not dist.is_initialized()
@@ -818,21 +821,18 @@ def _parallel_block() -> sextant.CompiledModule:
         dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
     try:
         x = torch.randn(2, 16, 64)
-        return sextant.compile(_ParallelBlock().eval(), (x,), cache=False)
+        return schedule(run_pipeline(sextant.capture(_ParallelBlock().eval(), (x,))), DOCS_CPU)
     finally:
         if started:
             dist.destroy_process_group()
 
 
 def snippet_dist_graph() -> str:
-    return _relative(str(_parallel_block().stages["program"].graph))
+    return _relative(str(_parallel_block().graph))
 
 
 def snippet_dist_schedule() -> str:
-    """Scheduled for the pinned docs CPU (the compiled one is this host's: its block counts vary)."""
-    from sextant.schedule.program import schedule
-
-    return _relative(schedule(_parallel_block().stages["program"].graph, DOCS_CPU).describe())
+    return _relative(_parallel_block().describe())
 
 
 def snippet_bf16_pair_kernel() -> str:
