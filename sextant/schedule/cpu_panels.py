@@ -31,7 +31,7 @@ from sextant.kernel.ir import TILE_ROWS
 from sextant.schedule.cpu_amx import COL_TILES, amx_candidate, uses_amx
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import pair_weight, uses_pair_dot
-from sextant.schedule.partition import Group, append_layouts, movement_of_param
+from sextant.schedule.partition import Group, append_layouts, layout_chain, movement_of_param, params_only
 from sextant.schedule.target import TargetDesc
 
 
@@ -68,9 +68,10 @@ def strip_columns(group: Group, target: TargetDesc) -> int:
 
 def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
     """Give every CPU matmul with a constant B its compile-time layout (``Group.packed``): in pairs
-    of K for the pair dot product, in panels otherwise. Returns the graph with the layout nodes
-    appended (the program's graph names every buffer it holds) and the nodes to be evaluated into
-    constants."""
+    of K for the pair dot product, in panels otherwise. A bf16 B computed per call that goes on the
+    pair dot (``cpu_pairs.uses_pair_dot``) is laid out by a kernel of its own inserted before the
+    product's (``groups`` gains it in place). Returns the graph with the layout nodes appended (the
+    program's graph names every buffer it holds) and the nodes to be evaluated into constants."""
     layouts = []
     stored = {id(o) for g in groups for o in g.outputs}
     for g in groups:
@@ -87,4 +88,8 @@ def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
             continue
         b = g.anchor.inputs[1]
         layouts.append((g, b, layout(b, strip_columns(g, target))))
-    return append_layouts(graph, layouts)
+    for g, b, p in layouts:  # a B that is not a weight (pairs only): laid out per call, before the product
+        if not params_only(b):
+            groups.insert(groups.index(g), Group("elementwise", p, members=layout_chain(b, p), outputs=[p]))
+    graph, _ = append_layouts(graph, layouts)
+    return graph, [p for _, b, p in layouts if params_only(b)]

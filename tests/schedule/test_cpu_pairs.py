@@ -120,3 +120,46 @@ def test_this_cpu_uses_pair_dots_by_default():
     cm = sextant.compile(model, (x,), target="cpu", cache=False)
     assert pair_dots(cm) > 0
     check(cm, model, x)
+
+
+@pytest.mark.parametrize("how", ["host", "lane by lane"])
+def test_activation_b_laid_out_per_call_on_pair_dots(how, monkeypatch):
+    """A bf16 product whose B is computed per call (``a @ relu(b)``; a 1×1 convolution as ``W @ x``)
+    with at least ``ACTIVATION_MIN_ROWS`` rows of A: B is laid out in pairs by a kernel of its own
+    before the product's, with an odd K and N past a whole strip; fewer rows keep the widening path."""
+    from sextant.schedule.cpu_pairs import ACTIVATION_MIN_ROWS
+
+    class Product(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.relu(a @ torch.relu(b))
+
+    torch.manual_seed(0)
+    for m, expect_pairs in ((ACTIVATION_MIN_ROWS + 3, True), (ACTIVATION_MIN_ROWS // 2, False)):
+        a, b = torch.randn(2, m, 37).bfloat16(), torch.randn(2, 37, 70).bfloat16()
+        monkeypatch.setattr(target_mod, "host_pair_dot", lambda: True)
+        if how == "lane by lane":
+            monkeypatch.setattr(cpu_matrix, "host_pair_dot", lambda: False)
+            monkeypatch.setenv("SEXTANT_CACHE", "0")
+            monkeypatch.setenv("SEXTANT_COMPILE_JOBS", "1")
+        cm = sextant.compile(Product(), (a, b), target="cpu", cache=False)
+        program = cm.stages["program"]
+        kinds = [program.groups[launch.group].kind for launch in program.launches]
+        assert (pair_dots(cm) > 0) == expect_pairs
+        assert kinds == (["elementwise", "matmul"] if expect_pairs else ["matmul"]), kinds
+        with torch.no_grad():
+            torch.testing.assert_close(cm(a, b), Product()(a, b), **BF16_TOL)
+            f32 = Product()(a.float(), b.float())
+            torch.testing.assert_close(cm(a, b).float(), f32, **BF16_TOL)
+
+
+def test_pointwise_conv_as_matmul_lays_its_input_out_in_pairs(monkeypatch):
+    """A bf16 1×1 layer with 64 input channels is ``W @ x`` (cpu_conv.pointwise_as_matmul), 256
+    output channels its rows: x goes on the pair dot through a per-call layout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 256, 1), nn.ReLU()).bfloat16().eval()
+    x = torch.randn(1, 64, 16, 16).bfloat16()
+    cm = compiled(model, x, monkeypatch, "host")
+    program = cm.stages["program"]
+    assert "matmul" in [program.groups[launch.group].kind for launch in program.launches]
+    assert pair_dots(cm) > 0
+    check(cm, model, x)
