@@ -28,6 +28,14 @@ Measured on 2 Zen 3 cores (AVX2, fp32 SDPA, GFLOP/s, interleaved best-of-24; eag
 kernel beside): BERT's 12 heads × 128 × 64 27 → 59–63 (eager 53–83), ViT's 12 × 197 × 64
 22 → 57–66 (47–72), 12 × 256 × 64 32 → 67–102 (69–104), 2 × 1024 × 64 → 83–110 (100–122).
 
+In bf16 on a CPU with AVX-512-BF16 (:func:`uses_pair_attention`) both products run on the pair
+dot: Q is staged as bf16, K in pairs of head dims (``[dim/2][tile][2]``), V in pairs of keys
+(``[tile/2][dvp][2]``), and the softmax pass writes P rounded to bf16 beside its f32 sum.
+2 Zen 4 cores, bf16 SDPA, GFLOP/s widened → pairs (eager beside): 12 × 128 × 64 125 → 151 (97),
+12 × 197 × 64 106 → 138 (112), causal 12 × 256 × 64 91 → 110 (67). The products' loops are then
+a broadcast and two ``vdpbf16ps`` per row; what is left is the staging and the softmax (without
+the products the ViT-sized call takes 0.40–0.52 of its 1.15–1.39 ms).
+
 Keys past the end are read as the last key and masked (their values staged as 0); rows past the
 end are computed from the last row and never stored. A causal mask stops each chunk at its
 diagonal tile and skips a row block's tiles past its diagonal; a tile that a boolean mask hides
@@ -42,6 +50,7 @@ from __future__ import annotations
 import math
 
 from sextant.graph.dtypes import DType
+from sextant.graph.ir import Node
 from sextant.graph.symbolic import SymDim
 from sextant.kernel.ir import (
     Assign,
@@ -54,13 +63,15 @@ from sextant.kernel.ir import (
     If,
     Kernel,
     Load,
+    PairDot,
     Select,
     Store,
     Unary,
     Var,
 )
 from sextant.kernel.sizes import capacity
-from sextant.schedule.attention_match import at
+from sextant.schedule.attention_match import Attention, at
+from sextant.schedule.cpu_pairs import pair_lanes
 from sextant.schedule.indexing import accum_dtype, c, divisible, iadd, idiv, imin, imod, imul
 from sextant.schedule.kernels import (
     _chunks,
@@ -118,6 +129,46 @@ def _micro_gemm(e, rows: int, cols: int, depth: int, a, b, init, store, acc_t: D
         loop(e, cols, lambda u, r=r: store(r, u, Load("acc", iadd(c(r * cols), u), acc_t)), "u", unroll=True)
 
 
+def _pair_gemm(e, rows: int, cols: int, pairs: int, a, b: str, b_off, init, store, acc_t: DType, lanes: int) -> None:
+    """:func:`_micro_gemm` on the pair dot: per pair step ``p``, each row's bf16 pair ``a(r, p)``
+    against ``cols`` columns of ``b`` laid out in pairs from ``b_off(p)`` (``cols / lanes`` pair
+    dots a row)."""
+    for r in range(rows):
+        _loop(e, cols, lambda u, r=r: e.emit(Store("acc", iadd(c(r * cols), u), init(r, u))), "u", unroll=True)
+
+    def step(p: Var) -> None:
+        off = e.bind(b_off(p), "pk")
+        for r in range(rows):
+            lo, hi = (e.bind(x, "a") for x in a(r, p))
+            for h in range(cols // lanes):
+                e.emit(PairDot("acc", c(r * cols + h * lanes), lo, hi, b, iadd(off, c(2 * lanes * h)), lanes))
+
+    _loop(e, pairs, step, "k")
+    for r in range(rows):
+        _loop(e, cols, lambda u, r=r: store(r, u, Load("acc", iadd(c(r * cols), u), acc_t)), "u", unroll=True)
+
+
+def _bf16_valued(n: Node) -> bool:
+    """Every value of ``n`` is a bf16 value: a bf16 tensor, or widening casts and movements of one
+    (rounding it to bf16 again is exact)."""
+    while n.dtype != DType.bf16:
+        if n.op not in ("reshape", "permute", "expand", "slice", "cast") or n.dtype != DType.f32:
+            return False
+        n = n.inputs[0]
+    return True
+
+
+def uses_pair_attention(group: Group, att: Attention, target: TargetDesc) -> bool:
+    """Whether both products run on the bf16 pair dot (``cpu_pairs``): a CPU with the instruction,
+    Q, K and V bf16 values (the graph widens a bf16 SDPA's operands to f32), an even head size, and
+    every output of the group bf16. P is then rounded to bf16 for ``P·V`` — what eager's CPU flash
+    kernel does for bf16, an error below the output's own rounding; ``Q·Kᵀ`` is exact either way."""
+    dim = att.q.shape[-1]
+    return (not target.is_gpu and target.pair_dot and isinstance(dim, int) and dim % 2 == 0 and dim >= 2
+            and all(_bf16_valued(n) for n in (att.q, att.kt, att.v))
+            and all(o.dtype == DType.bf16 for o in group.outputs))
+
+
 def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
     att = group.attention
     assert att is not None, "an attention group carries its matched chain"
@@ -151,13 +202,18 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
     rows_c = per_chunk * br
     n_chunks = -(-n_q // rows_c)
     blocks_total = math.prod(batch) * n_chunks
+    pairs = uses_pair_attention(group, att, target)
+    if pairs:  # staged as bf16: Q's rows as they are, K as [dim/2][tile][2], V as [tile/2][dvp][2]
+        dot_t = DType.bf16
     local = (Buffer("qb", dot_t, rows_c * dim, "local"), Buffer("kt", dot_t, dim * tile, "local"),
-             Buffer("vt", acc_t, tile * dvp, "local"), Buffer("zt", acc_t, br * tile, "local"),
+             Buffer("vt", dot_t if pairs else acc_t, tile * dvp, "local"), Buffer("zt", acc_t, br * tile, "local"),
              Buffer("ob", acc_t, rows_c * dvp, "local"), Buffer("acc", acc_t, rg * max(nk, nv), "local"),
              Buffer("mb", acc_t, rows_c, "local"), Buffer("lb", acc_t, rows_c, "local"),
              Buffer("cb", acc_t, rows_c, "local"), Buffer("red", acc_t, lanes, "local"))
     if att.masks and per_chunk > 1:  # per row block: whether it sees any key of the tile
         local += (Buffer("vis", DType.i32, per_chunk, "local"),)
+    if pairs:  # P rounded to bf16, the A of P·V
+        local += (Buffer("pb", DType.bf16, br * tile, "local"),)
     neg_inf, zero = Const(-math.inf, acc_t), Const(0.0, acc_t)
     half_p = att.probs.dtype if att.probs.dtype != acc_t else None  # P rounded as the product reads it
     ragged_kv = not divisible(n_kv, tile)
@@ -197,18 +253,26 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                 j = e.bind(iadd(j0, jj), "j")
                 valid = Binary("lt", j, c(n_kv), DType.bool)
                 jc = e.bind(imin(j, c(n_kv - 1)), "jc") if ragged_kv else j
-                loop(dim, lambda d: e.emit(Store("kt", iadd(imul(d, tile), jj), as_(e.value(kt, at(kt, bl, d, jc)),
-                                                                                     dot_t))), "d")
+                def kt_at(d: Expr) -> Expr:  # [dim][tile], or in pairs of dims [dim/2][tile][2]
+                    return iadd(imul(iadd(imul(idiv(d, 2), tile), jj), 2), imod(d, 2)) if pairs \
+                        else iadd(imul(d, tile), jj)
+
+                def vt_at(d: Expr) -> Expr:  # [tile][dvp], or in pairs of keys [tile/2][dvp][2]
+                    return iadd(imul(iadd(imul(idiv(jj, 2), dvp), d), 2), imod(jj, 2)) if pairs \
+                        else iadd(imul(jj, dvp), d)
+
+                loop(dim, lambda d: e.emit(Store("kt", kt_at(d), as_(e.value(kt, at(kt, bl, d, jc)), dot_t))), "d")
+                vt_t = dot_t if pairs else acc_t
 
                 def v_elem(d: Var) -> None:
-                    val = as_(e.value(v, at(v, bl, jc, d)), acc_t)
+                    val = as_(e.value(v, at(v, bl, jc, d)), vt_t)
                     if ragged_kv:  # a key past the end contributes 0, even against an inf value
-                        val = Select(valid, val, zero, acc_t)
-                    e.emit(Store("vt", iadd(imul(jj, dvp), d), val))
+                        val = Select(valid, val, Const(0.0, vt_t), vt_t)
+                    e.emit(Store("vt", vt_at(d), val))
 
                 loop(dim_v, v_elem, "d")
                 for d in range(dim_v, dvp):
-                    e.emit(Store("vt", iadd(imul(jj, dvp), c(d)), zero))
+                    e.emit(Store("vt", vt_at(c(d)), Const(0.0, vt_t)))
 
             loop(tile, key, "jj")
 
@@ -217,6 +281,14 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
             # S = Q·Kᵀ for the row block, a register tile of rg rows × nk keys at a time
             def s_tile(r0: int, c0_: Var) -> None:
                 qrow = lambda r: iadd(imul(rb, dim), c((r0 + r) * dim))
+                if pairs:
+                    qpair = lambda r, p: (Load("qb", iadd(qrow(r), imul(p, 2)), dot_t),
+                                          Load("qb", iadd(qrow(r), iadd(imul(p, 2), c(1))), dot_t))
+                    _pair_gemm(e, rg, nk, dim // 2, qpair, "kt", lambda p: imul(iadd(imul(p, tile), c0_), 2),
+                               lambda r, u: zero,
+                               lambda r, u, val: e.emit(Store("zt", iadd(c((r0 + r) * tile), iadd(c0_, u)), val)),
+                               acc_t, pair_lanes(target, nk))
+                    return
                 _micro_gemm(e, rg, nk, dim,
                             lambda r, k: as_(Load("qb", iadd(qrow(r), k), dot_t), acc_t),
                             lambda k, u: as_(Load("kt", iadd(imul(k, tile), iadd(c0_, u)), dot_t), acc_t),
@@ -239,11 +311,17 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
                     x = Load("zt", iadd(c((r0 + r) * tile), k), acc_t)
                     return Cast(Cast(x, half_p), acc_t) if half_p is not None else x
 
-                _micro_gemm(e, rg, nv, tile, p,
-                            lambda k, u: Load("vt", iadd(imul(k, dvp), iadd(d0, u)), acc_t),
-                            lambda r, u: Binary("mul", Load("ob", iadd(orow(r), iadd(d0, u)), acc_t),
-                                                Load("cb", iadd(rb, c(r0 + r)), acc_t), acc_t),
-                            lambda r, u, val: e.emit(Store("ob", iadd(orow(r), iadd(d0, u)), val)), acc_t)
+                init = lambda r, u: Binary("mul", Load("ob", iadd(orow(r), iadd(d0, u)), acc_t),
+                                           Load("cb", iadd(rb, c(r0 + r)), acc_t), acc_t)
+                store = lambda r, u, val: e.emit(Store("ob", iadd(orow(r), iadd(d0, u)), val))
+                if pairs:
+                    ppair = lambda r, q: (Load("pb", iadd(c((r0 + r) * tile), imul(q, 2)), DType.bf16),
+                                          Load("pb", iadd(c((r0 + r) * tile), iadd(imul(q, 2), c(1))), DType.bf16))
+                    _pair_gemm(e, rg, nv, tile // 2, ppair, "vt", lambda q: imul(iadd(imul(q, dvp), d0), 2), init,
+                               store, acc_t, pair_lanes(target, nv))
+                    return
+                _micro_gemm(e, rg, nv, tile, p, lambda k, u: Load("vt", iadd(imul(k, dvp), iadd(d0, u)), acc_t), init,
+                            store, acc_t)
 
             for r0 in range(0, br, rg):
                 d0 = e.var("d0")
@@ -283,7 +361,7 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
 
             def prob(jj: Expr) -> Expr:
                 pv = e.bind(Unary("exp", Binary("sub", Load("zt", iadd(row, jj), acc_t), sh, acc_t), acc_t), "p")
-                e.emit(Store("zt", iadd(row, jj), pv))
+                e.emit(Store("pb", iadd(row, jj), Cast(pv, DType.bf16)) if pairs else Store("zt", iadd(row, jj), pv))
                 return pv
 
             total = e.var("l", acc_t)
@@ -393,6 +471,7 @@ def cpu_attention_kernel(group: Group, stored: set[int], target: TargetDesc, nam
 
     blocks, per = _chunks(blocks_total, target, 2 * rows_c * n_kv * (dim + dim_v))
     _row_loop(e, blocks_total, per, chunk)
-    meta = {"mapping": "attention-cpu-flash", "rows": br, "chunk_rows": rows_c, "kv_tile": tile,
+    meta = {"mapping": "attention-cpu-flash-pairs" if pairs else "attention-cpu-flash",
+            "rows": br, "chunk_rows": rows_c, "kv_tile": tile,
             "skips_hidden_tiles": bool(att.masks)}
     return Kernel(name, tuple(params), (blocks, 1, 1), (1, 1, 1), tuple(e.stmts), local=local, meta=meta)

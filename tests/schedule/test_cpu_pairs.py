@@ -42,15 +42,16 @@ def pair_dots(cm) -> int:
     return sum(isinstance(s, PairDot) for k in cm.stages["program"].kernels.values() for s in iter_stmts(k.body))
 
 
-def compiled(model: nn.Module, x: torch.Tensor, monkeypatch, how: str):
-    """``model`` compiled for a CPU with the pair dot (``how``: "host" — this CPU's code, the
-    instruction where it has it; "lane by lane" — as a CPU without it compiles the same kernels)."""
+def compiled(model: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...], monkeypatch, how: str):
+    """``model`` compiled for ``x`` (one input or a tuple) on a CPU with the pair dot (``how``:
+    "host" — this CPU's code, the instruction where it has it; "lane by lane" — as a CPU without it
+    compiles the same kernels)."""
     monkeypatch.setattr(target_mod, "host_pair_dot", lambda: True)
     if how == "lane by lane":
         monkeypatch.setattr(cpu_matrix, "host_pair_dot", lambda: False)
         monkeypatch.setenv("SEXTANT_CACHE", "0")
         monkeypatch.setenv("SEXTANT_COMPILE_JOBS", "1")
-    return sextant.compile(model, (x,), target="cpu", cache=False)
+    return sextant.compile(model, x if isinstance(x, tuple) else (x,), target="cpu", cache=False)
 
 
 def check(cm, model: nn.Module, x: torch.Tensor) -> None:
