@@ -59,11 +59,14 @@ def panel_weight(b: Node, nr: int) -> Node:
 
 
 def strip_columns(group: Group, target: TargetDesc) -> int:
-    """Columns of a weight's strip (panels or pairs): the f32 GEMM micro-tile's ``nr``, so a strip is
-    two vector registers wide (narrower for a matrix narrower than that)."""
-    from sextant.schedule.kernels import micro_tile, narrow_columns
+    """Columns of a weight's strip: the micro-tile's ``nr`` — for panels the f32 GEMM's two vector
+    registers, for pairs ``kernels.pair_columns``'s three (narrower for a matrix narrower than that)."""
+    from sextant.schedule.kernels import MICRO_N, micro_tile, narrow_columns, pair_columns
 
-    return narrow_columns(group.anchor.inputs[1].shape[-1], micro_tile(target)[1])
+    n = group.anchor.inputs[1].shape[-1]
+    if uses_pair_dot(group, target) and not MICRO_N:
+        return pair_columns(target, n)
+    return narrow_columns(n, micro_tile(target)[1])
 
 
 def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
