@@ -63,9 +63,10 @@ def strip_columns(group: Group, target: TargetDesc) -> int:
     registers, for pairs ``kernels.pair_columns``'s three (narrower for a matrix narrower than that)."""
     from sextant.schedule.kernels import MICRO_N, micro_tile, narrow_columns, pair_columns
 
-    n = group.anchor.inputs[1].shape[-1]
+    b = group.anchor.inputs[1]
+    n = b.shape[-1]
     if uses_pair_dot(group, target) and not MICRO_N:
-        return pair_columns(target, n)
+        return pair_columns(target, n, params_only(b))
     return narrow_columns(n, micro_tile(target)[1])
 
 

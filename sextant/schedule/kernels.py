@@ -56,7 +56,7 @@ from sextant.schedule.indexing import (
     may_be_nonzero,
     reduce_identity,
 )
-from sextant.schedule.partition import Group, inlinable, is_buffer
+from sextant.schedule.partition import Group, inlinable, is_buffer, params_only
 from sextant.schedule.target import TargetDesc
 
 BID = Special("bid", "x")
@@ -371,15 +371,18 @@ def micro_tile(target: TargetDesc) -> tuple[int, int]:
     return mr, nr
 
 
-def pair_columns(target: TargetDesc, n: int) -> int:
+def pair_columns(target: TargetDesc, n: int, weight: bool = True) -> int:
     """Columns of the bf16 pair-dot micro-tile (``cpu_pairs``): three vectors of B per pair step
     where the CPU has 16 f32 lanes — 8 broadcasts of A, 3 loads of B and 24 ``vdpbf16ps`` a step
     rather than 8, 2 and 16; measured on 2 Zen 4 cores, bf16 Linear layers (GFLOP/s, 8 × 32 →
     8 × 48): 256 rows 768→3072 369 → 435, 3072→768 355 → 438, 197 rows 768→768 371 → 394; 12 × 32
     and 6 × 64 in between. The f32 micro-kernel measured even across the same shapes and keeps two
-    vectors. A matrix narrower than that keeps the f32 tile's columns."""
+    vectors. A matrix narrower than that keeps the f32 tile's columns, and so does a B laid out per
+    call (``weight`` False), whose element-by-element layout kernel took 0.14 → 0.24 ms for 48-column
+    strips (a 1×1 64→256 layer at 56×56 as ``W @ x``: 162 → 139 GFLOP/s with it)."""
     lanes = max(1, target.vector_bytes // 4)
-    return 3 * lanes if lanes >= 16 and n >= 3 * lanes else narrow_columns(n, micro_tile(target)[1])
+    wide = weight and lanes >= 16 and n >= 3 * lanes
+    return 3 * lanes if wide else narrow_columns(n, micro_tile(target)[1])
 
 
 def narrow_columns(n: int, nr: int) -> int:
@@ -474,7 +477,7 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
 
     k_block = MATMUL_BLOCK_K if capacity(k) >= MATMUL_BLOCKED_K_FROM else 0
     if uses_pair_dot(group, target):  # B laid out in pairs of K (cpu_pairs)
-        nr = pair_columns(target, n) if not MICRO_N else nr
+        nr = pair_columns(target, n, params_only(b)) if not MICRO_N else nr
         p = group.packed[id(b)]
         strips = p.shape[-4]
 
