@@ -1,7 +1,8 @@
-"""Imports point down the pipeline: the lower layers (graph IR, kernel IR, code generation) never
-import a later stage, at module level or inside a function. ``codegen`` used to import the
-runtime's ``CpuModule`` and the scheduler's shared-memory table; both moved down a layer
-(``codegen/cpu_module.py``, ``kernel/devices.py``)."""
+"""Imports point down the pipeline: the lower layers (graph IR, kernel IR, scheduling, code
+generation) never import a later stage, at module level or inside a function. ``codegen`` used to
+import the runtime's ``CpuModule`` and the scheduler's shared-memory table, ``schedule`` the PTX
+lowering's shared-memory layout and the report's GPU datasheets; all moved down a layer
+(``codegen/cpu_module.py``, ``kernel/devices.py``, ``kernel/shared_memory.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ ALLOWED = {
     "graph": {"graph"},
     "kernel": {"kernel", "graph"},
     "codegen": {"codegen", "kernel", "graph"},
+    "schedule": {"schedule", "kernel", "graph"},
 }
 
 

@@ -125,7 +125,7 @@ def explain(build: Build, out: TextIO = sys.stdout, gpu: str = "H100", counters:
         if resources is not None and launch.kernel in resources:
             r = resources[launch.kernel]
             spill = r.spill_stores + r.spill_loads
-            from sextant.codegen.llvm_nvptx import block_shared_bytes
+            from sextant.kernel.shared_memory import block_shared_bytes
 
             res = f"  {r.registers} regs  spills {spill} B  smem {_kib(block_shared_bytes(k, r.shared_bytes))}"
             if r.stack_frame:

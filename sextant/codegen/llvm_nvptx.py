@@ -56,7 +56,6 @@ from sextant.kernel.ir import (
     Mma,
     PairDot,
     SetMaxNReg,
-    SmemMatrix,
     Special,
     Stmt,
     TileMatmul,
@@ -67,15 +66,14 @@ from sextant.kernel.ir import (
     WgmmaCommit,
     WgmmaFence,
     WgmmaWait,
-    iter_stmts,
 )
-from sextant.kernel.wgmma import SWIZZLE_ALIGN, TensorMap, kernel_tensor_maps
+from sextant.kernel.shared_memory import dynamic_shared_bytes, shared_alignment, shared_bytes, shared_offsets
+from sextant.kernel.wgmma import TensorMap, kernel_tensor_maps
 
 TRIPLE = "nvptx64-nvidia-cuda"
 DEFAULT_ARCH = "sm_90"
 GLOBAL, SHARED = 1, 3  # NVPTX address spaces
 WARP = 32
-MAX_STATIC_SHARED = 48 * 1024  # more is dynamic shared memory (opted into per kernel at load time)
 # every global buffer starts 16-byte aligned (CUDA allocations are 256-byte aligned, the arena's
 # offsets 64-byte aligned; the runtime copies a misaligned input view): lets 128-bit accesses form
 PARAM_ALIGN = 16
@@ -197,7 +195,7 @@ def emit_ptx(kernels: Sequence[Kernel], arch: str = DEFAULT_ARCH, ptx_isa: int |
     unresolved = re.findall(r"^\.extern \.func .*?(\w+)\s*\(", asm, re.MULTILINE)
     if unresolved:
         raise CodegenError(f"the PTX calls undefined function(s) {', '.join(unresolved)}")
-    infos = tuple(PtxKernel(k.name, k.grid, k.block, tuple(p.name for p in k.params), _shared_bytes(k),
+    infos = tuple(PtxKernel(k.name, k.grid, k.block, tuple(p.name for p in k.params), shared_bytes(k),
                             kernel_tensor_maps(k.body)) for k in kernels)
     return PtxModule(asm, arch, infos, text, optimized, tuple(linked), timings)
 
@@ -231,52 +229,6 @@ def ptx_entries(ptx: str) -> dict[str, str]:
     """Each ``.entry`` of a PTX text (header to closing brace), by kernel name."""
     lines = ptx.splitlines()
     return {name: "\n".join(lines[a:b]) for name, (a, b) in ptx_entry_spans(ptx).items()}
-
-
-def _shared_bytes(k: Kernel) -> int:
-    return sum(s.size * s.dtype.itemsize for s in k.shared)
-
-
-def _shared_offsets(k: Kernel) -> tuple[list[int], int]:
-    """Each shared buffer's byte offset in one dynamic array (16-byte aligned: vector and
-    ``ldmatrix``/``cp.async`` accesses; more for TMA and swizzled wgmma operands), and the array's size."""
-    offsets, end = [], 0
-    align = shared_alignment(k)
-    for s in k.shared:
-        a = align.get(s.name, 16)
-        end = -(-end // a) * a
-        offsets.append(end)
-        end += -(-s.size * s.dtype.itemsize // 16) * 16
-    return offsets, end
-
-
-def shared_alignment(k: Kernel) -> dict[str, int]:
-    """Shared buffers that need more than 16-byte alignment: a TMA destination 128 bytes, a swizzled
-    TMA destination or wgmma operand 1024 (the swizzle is a function of the address's bits 4-9)."""
-    out: dict[str, int] = {}
-
-    def need(name: str, a: int) -> None:
-        out[name] = max(out.get(name, 16), a)
-
-    for s in iter_stmts(k.body):
-        if isinstance(s, TmaLoad):
-            need(s.dst, SWIZZLE_ALIGN if s.swizzle else 128)
-        elif isinstance(s, Wgmma):
-            for m in (s.a, s.b):
-                if isinstance(m, SmemMatrix):
-                    need(m.buffer, SWIZZLE_ALIGN if m.swizzle else 16)
-    return out
-
-
-def dynamic_shared_bytes(k: Kernel) -> int:
-    """The dynamic shared memory ``k`` is launched with: 0 when its buffers fit the static 48 KiB."""
-    return _shared_offsets(k)[1] if _shared_bytes(k) > MAX_STATIC_SHARED else 0
-
-
-def block_shared_bytes(k: Kernel, ptxas_static: int) -> int:
-    """The shared memory one block of ``k`` uses: ptxas's figure counts only the static
-    declarations, so the dynamic array (a kernel past 48 KiB) is added to it."""
-    return ptxas_static + dynamic_shared_bytes(k)
 
 
 def _sm(arch: str) -> int:
@@ -331,8 +283,8 @@ class _Lowering(LoweringBase):
             arg.name = p.name
             arg.attributes.align = PARAM_ALIGN
             self.buffers[p.name] = (p, arg)
-        if _shared_bytes(k) > max_shared_bytes(self.sm):
-            raise self._fail(f"{_shared_bytes(k)} bytes of shared memory exceed the {max_shared_bytes(self.sm)} bytes "
+        if shared_bytes(k) > max_shared_bytes(self.sm):
+            raise self._fail(f"{shared_bytes(k)} bytes of shared memory exceed the {max_shared_bytes(self.sm)} bytes "
                              f"a block may use on {self.arch} (48 KiB static, the rest dynamic)")
         if dynamic_shared_bytes(k):
             self._dynamic_shared(k)
@@ -388,7 +340,7 @@ class _Lowering(LoweringBase):
         arr.linkage = "external"
         arr.align = max([16, *shared_alignment(k).values()])
         arr.type = ir.PointerType(addrspace=SHARED)
-        offsets, _ = _shared_offsets(k)
+        offsets, _ = shared_offsets(k)
         for s, off in zip(k.shared, offsets, strict=True):
             ptr = self.b.gep(arr, [self._i32(off)], source_etype=I8, name=f"{k.name}.{s.name}")
             self.buffers[s.name] = (s, ptr)

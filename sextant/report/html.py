@@ -15,10 +15,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sextant.codegen.llvm_nvptx import block_shared_bytes, ptx_entries
+from sextant.codegen.llvm_nvptx import ptx_entries
 from sextant.graph.ir import Node
 from sextant.graph.printer import print_graph
 from sextant.kernel.printer import print_kernel
+from sextant.kernel.shared_memory import block_shared_bytes
 from sextant.report.charts import roofline_svg, seconds, si, time_bars
 from sextant.report.cost import LaunchCost, program_costs
 from sextant.report.graph_svg import HIDDEN_OPS, KIND_COLORS, graph_svg, op_label

@@ -525,7 +525,7 @@ class CudaRunner:
     def _opt_into_dynamic_shared(self) -> dict[str, int]:
         """Each kernel's dynamic shared memory; a kernel past the 48 KiB default is allowed its
         size first (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), else its launches fail."""
-        from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+        from sextant.kernel.shared_memory import dynamic_shared_bytes
 
         sizes = {name: dynamic_shared_bytes(k) for name, k in self.program.kernels.items()}
         attr = self._drv.m.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -102,7 +102,7 @@ def describe_program(p: Program) -> str:
             if k.meta.get("tile_source") == "tuned":  # a measured choice (schedule/tuning.py, tools/tune)
                 extra.append(f"tile {k.meta['tile_name']} (measured)")
             if (r := p.resources.get(launch.kernel)) is not None:
-                from sextant.codegen.llvm_nvptx import block_shared_bytes
+                from sextant.kernel.shared_memory import block_shared_bytes
 
                 extra.append(f"ptxas: {r.registers} registers, {block_shared_bytes(k, r.shared_bytes)} B shared, "
                              f"spills {r.spill_stores} B stored / {r.spill_loads} B loaded")

@@ -19,7 +19,7 @@ varies per problem is which one wastes least. The model estimates, for an ``m ×
   tiles once there are blocks enough for every SM.
 
 The peaks are the datasheet figures of the architecture's data-centre part
-(``report.roofline.GPUS``: A100 for sm_8x, H100 for sm_90 and later). The constants are
+(``kernel.devices.GPUS``: A100 for sm_8x, H100 for sm_90 and later). The constants are
 assumptions to be replaced by measurement: :func:`rank_tiles` returns every candidate with its
 estimate, so an autotuner on a real GPU can time the same candidates instead.
 """
@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from sextant.kernel.devices import GPUS, GpuSpec
 from sextant.schedule.target import TargetDesc, sm_version
-
-if TYPE_CHECKING:
-    from sextant.report.roofline import GpuSpec
 
 REGISTERS_PER_SM = 65536
 THREADS_PER_SM = 2048
@@ -59,8 +56,6 @@ def _arch(target: TargetDesc) -> int:
 
 def gpu_of(target: TargetDesc) -> GpuSpec:
     """The data-centre part whose datasheet stands for ``target``'s architecture."""
-    from sextant.report.roofline import GPUS  # the report's data; imported late (report imports schedule)
-
     return GPUS["A100"] if _arch(target) < 90 else GPUS["H100"]
 
 

@@ -466,7 +466,7 @@ def test_scheduled_mlp_for_sm90():
 
 
 def test_shared_memory_past_48_kib_is_one_dynamic_array():
-    from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+    from sextant.kernel.shared_memory import dynamic_shared_bytes
 
     small = Kernel("small", (Buffer("o", F32, 1, role="out"),), (1, 1, 1), (32, 1, 1), (),
                    shared=(Buffer("s", F32, 1000, "shared"),))

@@ -226,7 +226,7 @@ class FakeDriver:
     def _check_shared(self, name: str, shared: int) -> None:
         """A launch passes the kernel's dynamic shared memory, within what it was allowed (the
         driver's default: 48 KiB), and no more than the PTX's ``.extern .shared`` array needs."""
-        from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+        from sextant.kernel.shared_memory import dynamic_shared_bytes
 
         assert shared == dynamic_shared_bytes(self.program.kernels[name]), (name, shared)
         assert shared <= self.shared_limits.get(name, 48 * 1024), (name, shared, self.shared_limits)
@@ -445,7 +445,7 @@ def test_kernels_past_48_kib_get_dynamic_shared_memory(use_graph: bool, monkeypa
     """A tensor-core GEMM with four 19 KiB stages: its shared buffers become slices of one dynamic
     array; the runner allows the kernel that size (cuFuncSetAttribute) and launches with it."""
     import sextant.schedule.gpu_mma as gpu_mma
-    from sextant.codegen.llvm_nvptx import dynamic_shared_bytes
+    from sextant.kernel.shared_memory import dynamic_shared_bytes
 
     tile = gpu_mma.TcTile(128, 128, 32, 2, 4, registers=128, stages=4)
     monkeypatch.setattr(gpu_mma, "choose_tile", lambda m, n, batch, target, *a, **k: tile)
