@@ -105,13 +105,20 @@ def key_tile(dim: int, dim_v: int) -> int:
     return KEY_TILES[-1]
 
 
+def _register_tile(e, rows: int, cols: int, depth: int, step, init, store, acc_t: DType) -> None:
+    """``store(r, u, ...)`` of a ``rows × cols`` register tile after ``depth`` steps of ``step(k)``
+    into it, started from ``init(r, u)``: accumulators in a constant-indexed local array (``acc``)
+    that LLVM keeps in registers, every loop but the depth unrolled."""
+    for r in range(rows):
+        _loop(e, cols, lambda u, r=r: e.emit(Store("acc", iadd(c(r * cols), u), init(r, u))), "u", unroll=True)
+    _loop(e, depth, step, "k")
+    for r in range(rows):
+        _loop(e, cols, lambda u, r=r: store(r, u, Load("acc", iadd(c(r * cols), u), acc_t)), "u", unroll=True)
+
+
 def _micro_gemm(e, rows: int, cols: int, depth: int, a, b, init, store, acc_t: DType) -> None:
     """``store(r, u, init(r, u) + Σ_k a(r, k)·b(k, u))`` for a ``rows × cols`` register tile: the
-    CPU GEMM's micro-kernel (``cpu_gemm``) — accumulators in a constant-indexed local array,
-    per step a row of B against one broadcast of A per row, every loop but the depth unrolled."""
-    loop = _loop
-    for r in range(rows):
-        loop(e, cols, lambda u, r=r: e.emit(Store("acc", iadd(c(r * cols), u), init(r, u))), "u", unroll=True)
+    CPU GEMM's micro-kernel (``cpu_gemm``), per step a row of B against one broadcast of A per row."""
 
     def step(k: Var) -> None:  # row by row, one value of A live at a time (see cpu_gemm's kstep)
         for r in range(rows):
@@ -122,19 +129,15 @@ def _micro_gemm(e, rows: int, cols: int, depth: int, a, b, init, store, acc_t: D
                 e.emit(Store("acc", slot, Binary("add", Load("acc", slot, acc_t),
                                                  Binary("mul", av, b(k, u), acc_t), acc_t)))
 
-            loop(e, cols, col, "u", unroll=True)
+            _loop(e, cols, col, "u", unroll=True)
 
-    loop(e, depth, step, "k")
-    for r in range(rows):
-        loop(e, cols, lambda u, r=r: store(r, u, Load("acc", iadd(c(r * cols), u), acc_t)), "u", unroll=True)
+    _register_tile(e, rows, cols, depth, step, init, store, acc_t)
 
 
 def _pair_gemm(e, rows: int, cols: int, pairs: int, a, b: str, b_off, init, store, acc_t: DType, lanes: int) -> None:
     """:func:`_micro_gemm` on the pair dot: per pair step ``p``, each row's bf16 pair ``a(r, p)``
     against ``cols`` columns of ``b`` laid out in pairs from ``b_off(p)`` (``cols / lanes`` pair
     dots a row)."""
-    for r in range(rows):
-        _loop(e, cols, lambda u, r=r: e.emit(Store("acc", iadd(c(r * cols), u), init(r, u))), "u", unroll=True)
 
     def step(p: Var) -> None:
         off = e.bind(b_off(p), "pk")
@@ -143,9 +146,7 @@ def _pair_gemm(e, rows: int, cols: int, pairs: int, a, b: str, b_off, init, stor
             for h in range(cols // lanes):
                 e.emit(PairDot("acc", c(r * cols + h * lanes), lo, hi, b, iadd(off, c(2 * lanes * h)), lanes))
 
-    _loop(e, pairs, step, "k")
-    for r in range(rows):
-        _loop(e, cols, lambda u, r=r: store(r, u, Load("acc", iadd(c(r * cols), u), acc_t)), "u", unroll=True)
+    _register_tile(e, rows, cols, pairs, step, init, store, acc_t)
 
 
 def _bf16_valued(n: Node) -> bool:

@@ -58,7 +58,7 @@ from sextant.kernel.ir import Binary, Buffer, Cast, Const, Expr, If, Kernel, Loa
 from sextant.schedule.cpu_gemm import Gemm, gemm_kernel
 from sextant.schedule.cpu_pairs import pair_lanes, pair_weight
 from sextant.schedule.indexing import Index, accum_dtype, c, delinearize, iadd, idiv, imod, imul, linearize, strides
-from sextant.schedule.partition import Group, append_layouts, layout_chain, params_only
+from sextant.schedule.partition import Group, append_layouts
 from sextant.schedule.target import TargetDesc
 
 MIN_GROUP_COLUMNS = 2  # output channels per group below which (depthwise) the GEMM is not used
@@ -210,9 +210,11 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
             readers.append(read)
         return readers
 
+    gidx = (lambda bidx: bidx[0]) if groups > 1 else (lambda bidx: c(0))
+
     def col(bidx: Index, kk: Expr, j0: Expr, j: Expr, strip: Expr | None) -> Expr:
         assert strip is not None, "the padded weight has whole strips: no edge path"
-        return e.value(wt, ((bidx[0] if groups > 1 else c(0)), strip, kk, j))
+        return e.value(wt, (gidx(bidx), strip, kk, j))
 
     def epilogue(bidx: Index, i: Expr, j: Expr, value: Expr) -> None:
         nn, *o = delinearize(i, (batch, *out_sp))
@@ -221,21 +223,19 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
         store_epilogue(e, group, (nn, co, *o))
         e.regs.pop(id(cv))
 
-    gidx = (lambda bidx: bidx[0]) if groups > 1 else (lambda bidx: c(0))
-    if uses_pair_conv(cv, target):  # the weight in pairs of K (gemm_weight): [G, strips, K/2, nr, 2]
+    on_pairs = uses_pair_conv(cv, target)
 
-        def pairs(bidx: Index, strip: Expr) -> tuple[str, Expr]:
-            return e.buffers[id(wt)], linearize((gidx(bidx), strip, c(0), c(0), c(0)), wt.shape)
+    def pairs(bidx: Index, strip: Expr) -> tuple[str, Expr]:  # the weight [G, strips, K/2, nr, 2] (gemm_weight)
+        return e.buffers[id(wt)], linearize((gidx(bidx), strip, c(0), c(0), c(0)), wt.shape)
 
-        spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
-                    CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, pairs=pairs, pair_lanes=pair_lanes(target, nr),
-                    k_unroll=pair_steps_per_trip(cv) or 1, column_epilogue=True)
-        kernel = gemm_kernel(e, spec, name, params, BID)
-        kernel.meta.update(mapping="cpu-pair-dot", weight="[" + ", ".join(map(str, wt.shape)) + "] in pairs of K")
-        return kernel
     spec = Gemm((groups,) if groups > 1 else (), m, npad, k, acc_t, rows, col, epilogue, mr, nr,
-                CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, k_unroll=unrolled_taps(ksp), column_epilogue=True)
-    return gemm_kernel(e, spec, name, params, BID)
+                CONV_BLOCK_M, CONV_BLOCK_N, n_store=cout_g, pairs=pairs if on_pairs else None,
+                pair_lanes=pair_lanes(target, nr), column_epilogue=True,
+                k_unroll=pair_steps_per_trip(cv) if on_pairs else unrolled_taps(ksp))
+    kernel = gemm_kernel(e, spec, name, params, BID)
+    if on_pairs:
+        kernel.meta.update(mapping="cpu-pair-dot", weight="[" + ", ".join(map(str, wt.shape)) + "] in pairs of K")
+    return kernel
 
 
 def unrolled_taps(window: tuple[int, ...]) -> int:
@@ -266,11 +266,7 @@ def layout_conv_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
     ``groups`` gains the per-call layout groups in place."""
     layouts = [(g, g.anchor.inputs[1], gemm_weight(g.anchor, target)) for g in groups
                if g.kind == "conv" and uses_gemm(g.anchor)]
-    for g, w, p in layouts:
-        if not params_only(w):
-            groups.insert(groups.index(g), Group("elementwise", p, members=layout_chain(w, p), outputs=[p]))
-    graph, _ = append_layouts(graph, layouts)
-    return graph, [p for _, w, p in layouts if params_only(w)]
+    return append_layouts(graph, layouts, groups)
 
 
 def pointwise_as_matmul(graph: Graph, columns: int, target: TargetDesc) -> Graph:

@@ -31,7 +31,7 @@ from sextant.kernel.ir import TILE_ROWS
 from sextant.schedule.cpu_amx import COL_TILES, amx_candidate, uses_amx
 from sextant.schedule.cpu_gemv import uses_gemv
 from sextant.schedule.cpu_pairs import pair_weight, uses_pair_dot
-from sextant.schedule.partition import Group, append_layouts, layout_chain, movement_of_param, params_only
+from sextant.schedule.partition import Group, append_layouts, movement_of_param, params_only
 from sextant.schedule.target import TargetDesc
 
 
@@ -61,13 +61,12 @@ def panel_weight(b: Node, nr: int) -> Node:
 def strip_columns(group: Group, target: TargetDesc) -> int:
     """Columns of a weight's strip: the micro-tile's ``nr`` — for panels the f32 GEMM's two vector
     registers, for pairs ``kernels.pair_columns``'s three (narrower for a matrix narrower than that)."""
-    from sextant.schedule.kernels import MICRO_N, micro_tile, narrow_columns, pair_columns
+    from sextant.schedule.kernels import micro_tile, narrow_columns, pair_columns
 
     b = group.anchor.inputs[1]
-    n = b.shape[-1]
-    if uses_pair_dot(group, target) and not MICRO_N:
-        return pair_columns(target, n, params_only(b))
-    return narrow_columns(n, micro_tile(target)[1])
+    if uses_pair_dot(group, target):
+        return pair_columns(target, b.shape[-1], params_only(b))
+    return narrow_columns(b.shape[-1], micro_tile(target)[1])
 
 
 def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
@@ -92,8 +91,4 @@ def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -
             continue
         b = g.anchor.inputs[1]
         layouts.append((g, b, layout(b, strip_columns(g, target))))
-    for g, b, p in layouts:  # a B that is not a weight (pairs only): laid out per call, before the product
-        if not params_only(b):
-            groups.insert(groups.index(g), Group("elementwise", p, members=layout_chain(b, p), outputs=[p]))
-    graph, _ = append_layouts(graph, layouts)
-    return graph, [p for _, b, p in layouts if params_only(b)]
+    return append_layouts(graph, layouts, groups)  # a B that is not a weight (pairs only) per call

@@ -155,7 +155,7 @@ def layout_hopper_conv_weights(graph: Graph, groups: list[Group], target: Target
         p = weight_matrix(g.anchor)
         if p is not None:
             layouts.append((g, w, p))
-    return append_layouts(graph, layouts)
+    return append_layouts(graph, layouts, groups)
 
 
 def gpu_wgmma_conv_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel | None:

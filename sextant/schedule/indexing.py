@@ -386,7 +386,8 @@ class ValueEmitter:
             return (yield from self._gather(n, idx))
         raise NotImplementedError(f"{op} cannot be inlined into a kernel (it must be stored first)")
 
-    def _in_range(self, i: Expr, lo: int, hi: int) -> Expr:
+    def in_range(self, i: Expr, lo: int, hi: int) -> Expr:
+        """``lo <= i < hi`` (a side a constant ``i`` satisfies is left out)."""
         conds = []
         if not (isinstance(i, Const) and i.value >= lo):
             conds.append(Binary("ge", i, c(lo), DType.bool))
@@ -403,7 +404,7 @@ class ValueEmitter:
         if any(isinstance(i, Const) and isinstance(d, int) and not 0 <= i.value < d
                for i, d in zip(shifted, src.shape)):
             return Const(n.attr("value"), n.dtype)  # a constant index in the padding: no load
-        conds = [self._in_range(i, 0, d) for i, d in zip(shifted, src.shape)]
+        conds = [self.in_range(i, 0, d) for i, d in zip(shifted, src.shape)]
         inb: Expr = Const(True, DType.bool)
         inner = []
         for i, cond in zip(shifted, conds):

@@ -56,7 +56,7 @@ from sextant.schedule.indexing import (
     may_be_nonzero,
     reduce_identity,
 )
-from sextant.schedule.partition import Group, inlinable, is_buffer, params_only
+from sextant.schedule.partition import Group, inlinable, is_buffer
 from sextant.schedule.target import TargetDesc
 
 BID = Special("bid", "x")
@@ -260,8 +260,7 @@ def _pad_row(e: ValueEmitter, out: Node, outer: Index) -> None:
 
         _loop(e, 0, copy, "j", start=c(lo), stop=c(lo + n))
         fill_range(lo + n, inner)
-    conds = [Binary("bitwise_and", Binary("ge", i, c(0), DType.bool), Binary("lt", i, c(d), DType.bool), DType.bool)
-             for i, d, od in zip(src_outer, x.shape[:-1], out.shape[:-1]) if od != d]
+    conds = [e.in_range(i, 0, d) for i, d, od in zip(src_outer, x.shape[:-1], out.shape[:-1]) if od != d]
     if not conds:
         e.stmts.extend(inside)
         return
@@ -431,7 +430,7 @@ def pair_columns(target: TargetDesc, n: int, weight: bool = True) -> int:
     call (``weight`` False), whose element-by-element layout kernel took 0.14 → 0.24 ms for 48-column
     strips (a 1×1 64→256 layer at 56×56 as ``W @ x``: 162 → 139 GFLOP/s with it)."""
     lanes = max(1, target.vector_bytes // 4)
-    wide = weight and lanes >= 16 and n >= 3 * lanes
+    wide = weight and not MICRO_N and lanes >= 16 and n >= 3 * lanes
     return 3 * lanes if wide else narrow_columns(n, micro_tile(target)[1])
 
 
@@ -527,9 +526,8 @@ def matmul_kernel(group: Group, stored: set[int], target: TargetDesc, name: str)
 
     k_block = MATMUL_BLOCK_K if capacity(k) >= MATMUL_BLOCKED_K_FROM else 0
     if uses_pair_dot(group, target):  # B laid out in pairs of K (cpu_pairs)
-        nr = pair_columns(target, n, params_only(b)) if not MICRO_N else nr
         p = group.packed[id(b)]
-        strips = p.shape[-4]
+        strips, nr = p.shape[-4], p.shape[-2]  # [*batch, N/nr, K/2, nr, 2]: cpu_panels.strip_columns
 
         def pairs(bidx: Index, strip: Expr) -> tuple[str, Expr]:
             return e.buffers[id(p)], linearize((*bidx, strip, c(0), c(0), c(0)), p.shape)

@@ -97,19 +97,28 @@ def layout_chain(operand: Node, layout: Node) -> list[Node]:
     return chain[::-1]
 
 
-def append_layouts(graph: Graph, layouts: list[tuple[Group, Node, Node]]) -> tuple[Graph, list[Node]]:
+def append_layouts(graph: Graph, layouts: list[tuple[Group, Node, Node]],
+                   groups: list[Group]) -> tuple[Graph, list[Node]]:
     """Each ``(group, operand, layout)``: the group reads ``layout`` (a chain of single-operand
     nodes over ``operand``, built for it) instead of the operand (``Group.packed``), and the
     chain's nodes are appended to the graph after everything they read — the program's graph
-    names every buffer it holds. Returns that graph and the layouts, to be evaluated into
-    constants at compile time."""
+    names every buffer it holds. An operand computed from the params alone is laid out at compile
+    time; any other is laid out per call by an ``elementwise`` group of its own, inserted into
+    ``groups`` before the group that reads it. Returns that graph and the compile-time layouts,
+    to be evaluated into constants."""
     extra: list[Node] = []
+    constant: list[Node] = []
     for g, operand, layout in layouts:
         extra += layout_chain(operand, layout)
         g.packed[id(operand)] = layout
+        if params_only(operand):
+            constant.append(layout)
+        else:
+            groups.insert(groups.index(g), Group("elementwise", layout, members=layout_chain(operand, layout),
+                                                 outputs=[layout]))
     if not extra:
         return graph, []
-    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), [p for _, _, p in layouts]
+    return graph.with_nodes((*graph.nodes, *extra), graph.outputs), constant
 
 
 def params_only(n: Node) -> bool:

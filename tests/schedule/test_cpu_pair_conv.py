@@ -5,25 +5,19 @@ same bf16 values, with the instruction where this CPU has it and lane by lane wh
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
 
+from sextant.codegen.simt import iter_expr, stmt_exprs
 from sextant.kernel.ir import Binary, For, iter_stmts
 
 from .test_cpu_pairs import check, compiled, pair_dots
 
 
-def binary_ops(node) -> set[str]:
-    """Every binary operator in a kernel IR tree (statements and their expressions)."""
-    if isinstance(node, tuple | list):
-        return set().union(*map(binary_ops, node)) if node else set()
-    if not dataclasses.is_dataclass(node):
-        return set()
-    ops = {node.op} if isinstance(node, Binary) else set()
-    return ops.union(*(binary_ops(getattr(node, f.name)) for f in dataclasses.fields(node)))
+def binary_ops(stmts) -> set[str]:
+    """Every binary operator the statements (nested bodies included) evaluate."""
+    return {x.op for s in iter_stmts(stmts) for ex in stmt_exprs(s) for x in iter_expr(ex) if isinstance(x, Binary)}
 
 
 def conv_layer(cin: int, cout: int, k: int, stride: int = 1, padding: int = 0, groups: int = 1) -> nn.Module:

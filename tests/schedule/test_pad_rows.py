@@ -5,15 +5,14 @@ no select per element. Bit-exact against eager, f32 and bf16, padding on every k
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import sextant
-from sextant.kernel.ir import Select
+from sextant.codegen.simt import iter_expr, stmt_exprs
+from sextant.kernel.ir import Select, iter_stmts
 
 
 class Padded(nn.Module):
@@ -25,13 +24,9 @@ class Padded(nn.Module):
         return F.pad(torch.clamp(x, 0, 6) * 2 + 1, self.pads, value=self.value)
 
 
-def selects(node) -> int:
-    """How many ``Select`` expressions a kernel IR tree holds."""
-    if isinstance(node, tuple | list):
-        return sum(map(selects, node))
-    if not dataclasses.is_dataclass(node):
-        return 0
-    return int(isinstance(node, Select)) + sum(selects(getattr(node, f.name)) for f in dataclasses.fields(node))
+def selects(stmts) -> int:
+    """How many ``Select`` expressions the statements (nested bodies included) evaluate."""
+    return sum(isinstance(x, Select) for s in iter_stmts(stmts) for ex in stmt_exprs(s) for x in iter_expr(ex))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
