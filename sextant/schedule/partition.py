@@ -299,6 +299,7 @@ class _Fusion:
             elif g is None:
                 stored.add(id(n))
 
+        self.adopt_stored_into_reductions()
         # Stored nodes that no group computes become elementwise groups.
         for n in graph.nodes:
             if id(n) in stored and id(n) not in group_of and not is_buffer(n):
@@ -316,6 +317,37 @@ class _Fusion:
         groups.sort(key=lambda g: pos[id(g.members[-1])])
         groups = self.merge_elementwise_chains(groups)
         return self.dependency_order(groups)
+
+    def adopt_stored_into_reductions(self) -> None:
+        """A stored, ungrouped value that a reduction group reads inline *and* depends on is
+        computed by that group. It arises when an epilogue's join was refused (it read a second
+        reduction domain: a softmax over a row that an earlier reduction produced) and a later
+        reduction of the same group reads it (the next softmax) — legal while the value was
+        inlined, since the group's row loop computes it anyway, but as a kernel of its own the
+        stored value would read the group and be read by it: a cycle between kernels. The joins
+        already checked that the group's readers use it row by row, so it can be a member.
+
+        Walked from the graph's end: a stored value read only through another one is adopted
+        after that one (its reader is then a member)."""
+        stored, group_of, users = self.stored, self.group_of, self.users
+        for n in reversed(self.graph.nodes):
+            if id(n) not in stored or id(n) in group_of or is_buffer(n) or not inlinable(n):
+                continue
+            readers: dict[int, Group] = {}
+            stack, seen = list(users[n]), set()
+            while stack:
+                u = stack.pop()
+                if id(u) in seen:
+                    continue
+                seen.add(id(u))
+                g = group_of.get(id(u))
+                if g is not None:
+                    readers[id(g)] = g
+                elif id(u) not in stored and inlinable(u):
+                    stack.extend(users[u])
+            cyclic = [g for g in readers.values() if g.kind == "reduce" and self.reaches(n, g)]
+            if len(cyclic) == 1:
+                self.add(cyclic[0], n)
 
     def merge_elementwise_chains(self, groups: list[Group]) -> list[Group]:
         """An elementwise kernel whose stored values one other elementwise kernel alone reads, each
