@@ -68,10 +68,15 @@ MAX_UNROLLED_TAPS = 9  # a kernel window of up to this many taps is unrolled in 
 
 
 def conv_columns(cv: Node, target: TargetDesc) -> int:
-    """The GEMM's column tile: two vectors of f32 lanes, one for narrower groups, and for groups
-    narrower than a vector the next power of two (≥ 4): the zero padding wastes under half."""
+    """The GEMM's column tile: ``kernels.wide_tile``'s four vectors of f32 lanes where it applies
+    (not on the pair dot, whose tile keeps two), else two vectors, one for narrower groups, and for
+    groups narrower than a vector the next power of two (≥ 4): the zero padding wastes under half."""
+    from sextant.schedule.kernels import wide_tile
+
     lanes = max(1, target.vector_bytes // 4)
     cout_g = cv.inputs[1].shape[0] // cv.attr("groups")
+    if wide_tile(target, cout_g) and not uses_pair_conv(cv, target):
+        return 4 * lanes
     if cout_g > lanes:
         return 2 * lanes
     w = 4
@@ -127,7 +132,7 @@ def gemm_weight(cv: Node, target: TargetDesc) -> Node:
 
 
 def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: str) -> Kernel:
-    from sextant.schedule.kernels import BID, micro_tile, setup_kernel, store_epilogue
+    from sextant.schedule.kernels import BID, setup_kernel, store_epilogue, tile_rows
 
     cv = group.anchor
     x, w = cv.inputs
@@ -141,8 +146,8 @@ def conv_gemm_kernel(group: Group, stored: set[int], target: TargetDesc, name: s
     npad = wt.shape[1] * wt.shape[3]
     e, params, _ = setup_kernel(group, stored)
     acc_t = accum_dtype(cv.dtype)
-    mr, _ = micro_tile(target)
     nr = conv_columns(cv, target)
+    mr = tile_rows(target, nr)
     taps: dict[str, tuple[Expr, ...]] = {}  # per k variable: (input channel, kernel offsets), bound once
 
     def tap(kk: Expr) -> tuple[Expr, ...]:

@@ -59,14 +59,15 @@ def panel_weight(b: Node, nr: int) -> Node:
 
 
 def strip_columns(group: Group, target: TargetDesc) -> int:
-    """Columns of a weight's strip: the micro-tile's ``nr`` — for panels the f32 GEMM's two vector
-    registers, for pairs ``kernels.pair_columns``'s three (narrower for a matrix narrower than that)."""
-    from sextant.schedule.kernels import micro_tile, narrow_columns, pair_columns
+    """Columns of a weight's strip: the micro-tile's ``nr`` — for panels ``kernels.panel_tile``'s
+    four f32 vectors, for pairs ``kernels.pair_columns``'s three (narrower for a matrix narrower
+    than that)."""
+    from sextant.schedule.kernels import pair_columns, panel_tile
 
     b = group.anchor.inputs[1]
     if uses_pair_dot(group, target):
         return pair_columns(target, b.shape[-1], params_only(b))
-    return narrow_columns(b.shape[-1], micro_tile(target)[1])
+    return panel_tile(target, b.shape[-1])[1]
 
 
 def layout_gemm_weights(graph: Graph, groups: list[Group], target: TargetDesc) -> tuple[Graph, list[Node]]:
