@@ -81,15 +81,26 @@ def _build_f32(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 MODELS = ("resnet50", "bert-base", "vit-b16", "gpt2-small", "mobilenet-v2")
 
 
+SPIN_DOWN_S = 0.05  # a pause between backends: longer than libgomp's spin-wait after a parallel region
+
+
 def _median_ms(fns: dict[str, Callable[[], Any]], iters: int, settle: int = 1) -> dict[str, float]:
     """Median ms per call of each backend, their calls interleaved (rounds of ``settle`` untimed
     calls and one timed call of each): on a shared 2-core VM whose speed drifts by 15–50 % within
-    minutes, timing one backend's ten calls after another's puts the drift into their ratio. The
-    untimed calls let the previous backend's worker threads (OpenMP's spin-waits, thread pools)
-    wind down before a call is timed."""
+    minutes, timing one backend's ten calls after another's puts the drift into their ratio.
+
+    Before each backend's calls the process sleeps ``SPIN_DOWN_S``: torch's OpenMP workers
+    (libgomp) spin after a parallel region before they sleep — with ``OMP_WAIT_POLICY`` unset
+    300,000 pause instructions, ~15 ms on an Ice Lake core — and a sextant call started in that
+    window shares a core with them (on 2 Ice Lake cores BERT-base measured 101 ms one way and
+    117 the other). ``OMP_WAIT_POLICY=PASSIVE`` would also spare sextant, but slows eager itself
+    (its workers then sleep between every two ops: MobileNet-V2 34 → 62 ms), so eager runs with
+    the default and the pause is taken out of nobody's time. The untimed calls let other thread
+    pools wind down too."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
+            time.sleep(SPIN_DOWN_S)
             for _ in range(settle):
                 fn()
             t0 = time.perf_counter()
@@ -157,6 +168,7 @@ def run_model(name: str, iters: int, inductor: bool, dtype: torch.dtype = torch.
         for name, ms in _median_ms(fns, iters).items():
             row[f"{name}_ms"] = ms
     program = compiled.stages["program"]
+    time.sleep(SPIN_DOWN_S)  # the last timed call may have been eager's or Inductor's
     per_launch = [s * 1e3 for s in compiled._executor.profile(list(args))]
     costs = program_costs(program)
     contraction = {"matmul", "conv", "attention"}
