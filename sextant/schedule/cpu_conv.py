@@ -63,6 +63,7 @@ from sextant.schedule.target import TargetDesc
 
 MIN_GROUP_COLUMNS = 2  # output channels per group below which (depthwise) the GEMM is not used
 CONV_BLOCK_M, CONV_BLOCK_N = 128, 64  # C tile per block, as for matmul
+POINTWISE_MATMUL_MIN_POSITIONS = 512  # a ragged count of positions from which a 1×1 layer is W @ x
 PAIR_POINTWISE_MIN_K = 128  # input channels from which a bf16 1×1 layer stays on the pair dot (pointwise_as_matmul)
 MAX_UNROLLED_TAPS = 9  # a kernel window of up to this many taps is unrolled in the k loop (see conv_gemm_kernel)
 
@@ -283,12 +284,16 @@ def pointwise_as_matmul(graph: Graph, columns: int, target: TargetDesc) -> Graph
     into NCHW, 256 scalar stores per 1024 FMAs at ResNet's K = 64 (its 64→256 1×1 layer ran at 26 %
     of the FMA peak on an Emerald Rapids VM). The weight is read in place as the matmul's A.
 
-    Only where the positions are whole strips of the micro-tile's ``columns``. The matmul's last
-    partial strip took a scalar path, strided through B, which at 14×14 or 7×7 positions cost more
-    than the orientation saved (1024→256 at 14×14: 120 → 27 GFLOP/s); it now runs the micro-kernel
-    on a zero-padded copy (``cpu_gemm._pad_strip``), and the two orientations measured even on
-    ResNet-50's 14×14 and 7×7 layers (2 Zen 3 cores, 69–107 GFLOP/s either way, within the VM's
-    noise), so those keep the implicit GEMM.
+    Only where the positions are whole strips of the micro-tile's ``columns``, or at least
+    ``POINTWISE_MATMUL_MIN_POSITIONS`` of them. The matmul's last partial strip took a scalar path,
+    strided through B, which at 14×14 or 7×7 positions cost more than the orientation saved
+    (1024→256 at 14×14: 120 → 27 GFLOP/s); it now runs the micro-kernel on a zero-padded copy
+    (``cpu_gemm._pad_strip``). With the implicit GEMM on the wide tile (``kernels.wide_tile``), on
+    2 Ice Lake Xeon cores, GFLOP/s implicit GEMM / ``W @ x``, 1×1 layers with BN and ReLU: at 28×28
+    (784 positions, 24.5 strips) the matmul is ahead — 128→512 124 / 146, 512→128 101 / 145,
+    32→192 54 / 78, 192→32 72 / 99, 256→64 even — and at 14×14 and 7×7 the implicit GEMM —
+    256→1024 141 / 125, 1024→256 164 / 141, 512→2048 142 / 87, 64→384 84 / 62, 384→64 113 / 73
+    (on 2 Zen 3 cores, before the wide tile, they had measured even at 14×14 and 7×7).
 
     Nor where the layer runs on the bf16 pair dot (:func:`uses_pair_conv`) with at least
     ``PAIR_POINTWISE_MIN_K`` input channels: the pair dot needs B laid out in pairs of K, which the
@@ -305,7 +310,8 @@ def pointwise_as_matmul(graph: Graph, columns: int, target: TargetDesc) -> Graph
         x, w = n.inputs
         sp = n.shape[2:]
         if (is_symbolic(n.shape) or any(d != 1 for d in w.shape[2:]) or any(n.attr("padding"))
-                or any(s != 1 for s in n.attr("stride")) or math.prod(sp) % columns):
+                or any(s != 1 for s in n.attr("stride"))
+                or (math.prod(sp) % columns and math.prod(sp) < POINTWISE_MATMUL_MIN_POSITIONS)):
             return None
         b = GraphBuilder()
         b.loc = n.loc

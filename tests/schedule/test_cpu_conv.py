@@ -198,10 +198,12 @@ def test_short_rows_take_the_plane_mapping(vector_bytes: int) -> None:
 
 
 @pytest.mark.parametrize("vector_bytes", [32, 64])
-@pytest.mark.parametrize("shape, as_matmul", [((2, 24, 8, 8), True), ((1, 24, 7, 7), False)])
+@pytest.mark.parametrize("shape, as_matmul", [((2, 24, 8, 8), True), ((1, 24, 7, 7), False),
+                                              ((1, 24, 28, 28), True), ((1, 24, 14, 14), False)])
 def test_pointwise_conv_is_a_matmul_over_whole_strips(shape, as_matmul, vector_bytes) -> None:
     """A 1×1 conv (stride 1, no padding) is ``W @ x`` with the positions as the vector columns when
-    they fill whole strips (64 of them: 2 or 4 strips); 49 positions keep the implicit GEMM."""
+    they fill whole strips (64 of them: 2 or 4 strips), or when there are at least 512 of them
+    (28×28: 24.5 strips of 32, the last one padded); 49 and 196 positions keep the implicit GEMM."""
 
     class Pointwise(nn.Module):
         def __init__(self) -> None:
