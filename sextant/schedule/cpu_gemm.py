@@ -110,9 +110,9 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
     kc = g.k_block if 0 < g.k_block < k else 0
     steps = (k + 1) // 2 if g.pairs else k  # iterations of the k loop: pairs of K, or single K
     kcs = kc // 2 if g.pairs else kc  # ... per K block
-    if g.k_unroll > 1 and (kc or steps % g.k_unroll or (g.pairs and k % 2)):
-        raise ValueError(f"k_unroll {g.k_unroll} needs an unblocked k loop whose {steps} steps it divides "
-                         f"(pairs of K: K = {k} even)")
+    if g.k_unroll > 1 and (kcs % g.k_unroll or steps % g.k_unroll or (g.pairs and k % 2)):
+        raise ValueError(f"k_unroll {g.k_unroll} needs a k loop whose {steps} steps and K blocks of {kcs} "
+                         f"steps it divides (pairs of K: K = {k} even)")
     part = Buffer("part", acc_t, bm_ * nr, "local")  # a strip's partial sums between K blocks
     ragged = n % nr != 0  # the last strip is cut by the matrix edge
     if ragged and g.pairs is not None:
@@ -200,16 +200,18 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
                 loop(nr, col, "j", unroll=True)
 
         step = kstep if g.pairs is None else pair_step
-        if kb is None and g.k_unroll > 1:
-            u = g.k_unroll
+        u = g.k_unroll
 
-            def unrolled(ko: Var) -> None:
-                for t in range(u):
-                    step(iadd(imul(ko, u), c(t)))
+        def unrolled(ko: Var) -> None:
+            for t in range(u):
+                step(iadd(imul(ko, u), c(t)))
 
+        if kb is None and u > 1:
             loop(steps // u, unrolled, "k")
         elif kb is None:
             loop(steps, step, "k")
+        elif u > 1:  # the block's trips (kcs and steps are whole trips)
+            loop(0, unrolled, "k", start=idiv(kb, u), stop=idiv(imin(iadd(kb, c(kcs)), c(steps)), u))
         else:
             loop(0, step, "k", start=kb, stop=imin(iadd(kb, c(kcs)), c(steps)))
 

@@ -257,3 +257,28 @@ def test_epilogues_run_as_vector_lanes_along_the_contiguous_dimension() -> None:
         with torch.no_grad():
             for t in (x, torch.randn_like(x)):
                 torch.testing.assert_close(cm(t), model(t), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pair_dot", [False, True])
+def test_implicit_gemm_in_k_blocks_matches_eager(pair_dot, monkeypatch) -> None:
+    """The implicit GEMM's k loop in K blocks of whole unrolled trips (``conv_k_block``), thresholds
+    lowered so a small layer takes it: 40 input channels × 9 taps = 360 = 5 blocks of 63 (7 trips) and
+    a last one of 45; on the pair dot blocks of 54 (27 pair steps: 3 trips of 9) and a last one of 36."""
+    from sextant.schedule import cpu_conv
+
+    monkeypatch.setattr(cpu_conv, "CONV_BLOCKED_K_FROM", 256)
+    monkeypatch.setattr(cpu_conv, "CONV_BLOCK_K", 64)
+    assert cpu_conv.conv_k_block(360, 9, False) == 63 and cpu_conv.conv_k_block(360, 9, True) == 54
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if pair_dot else torch.float32
+    model = nn.Sequential(nn.Conv2d(40, 64, 3, padding=1), nn.ReLU()).eval().to(dtype)
+    x = torch.randn(1, 40, 9, 9, dtype=dtype)
+    graph = run_pipeline(sextant.capture(model, (x,)))
+    program = schedule(graph, cpu_target(cores=2, vector_bytes=64, pair_dot=pair_dot))
+    (kernel,) = [k for k in program.kernels.values() if any(b.name == "part" for b in k.local)]
+    assert (kernel.meta.get("mapping") == "cpu-pair-dot") == pair_dot
+    runner = ProgramRunner(program, compile_kernels(list(program.kernels.values())).launch)
+    fresh = torch.randn_like(x)
+    with torch.no_grad():
+        tol = {"atol": 3e-2, "rtol": 2e-2} if pair_dot else {"atol": 1e-5, "rtol": 1e-4}
+        torch.testing.assert_close(runner([fresh])[0].float(), model(fresh).float(), **tol)
