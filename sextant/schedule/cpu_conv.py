@@ -73,12 +73,12 @@ def conv_columns(cv: Node, target: TargetDesc) -> int:
     """The GEMM's column tile: ``kernels.wide_tile``'s four vectors of f32 lanes where it applies
     (not on the pair dot, whose tile keeps two), else two vectors, one for narrower groups, and for
     groups narrower than a vector the next power of two (≥ 4): the zero padding wastes under half."""
-    from sextant.schedule.kernels import wide_tile
+    from sextant.schedule.kernels import wide_columns, wide_tile
 
     lanes = max(1, target.vector_bytes // 4)
     cout_g = cv.inputs[1].shape[0] // cv.attr("groups")
     if wide_tile(target, cout_g) and not uses_pair_conv(cv, target):
-        return 4 * lanes
+        return wide_columns(target)
     if cout_g > lanes:
         return 2 * lanes
     w = 4

@@ -202,18 +202,14 @@ def gemm_kernel(e: ValueEmitter, g: Gemm, name: str, params: list[Buffer], bid: 
         step = kstep if g.pairs is None else pair_step
         u = g.k_unroll
 
-        def unrolled(ko: Var) -> None:
+        def trip(ko: Var) -> None:  # u steps (one when not unrolled: ko·1 + 0 is ko itself)
             for t in range(u):
                 step(iadd(imul(ko, u), c(t)))
 
-        if kb is None and u > 1:
-            loop(steps // u, unrolled, "k")
-        elif kb is None:
-            loop(steps, step, "k")
-        elif u > 1:  # the block's trips (kcs and steps are whole trips)
-            loop(0, unrolled, "k", start=idiv(kb, u), stop=idiv(imin(iadd(kb, c(kcs)), c(steps)), u))
-        else:
-            loop(0, step, "k", start=kb, stop=imin(iadd(kb, c(kcs)), c(steps)))
+        if kb is None:
+            loop(steps // u, trip, "k")
+        else:  # the block's trips (kcs and steps are whole trips)
+            loop(0, trip, "k", start=idiv(kb, u), stop=idiv(imin(iadd(kb, c(kcs)), c(steps)), u))
 
         def finish() -> None:
             loop(mr * nr, lambda u: e.emit(Store("tile", u, Load("acc", u, acc_t))), "u", unroll=True)

@@ -436,25 +436,29 @@ def wide_tile(target: TargetDesc, n: int) -> bool:
     14×14 215 → 225, 128→128 at 28×28 198 → 238, 1×1 256→1024 at 14×14 134 → 151, 1024→256 129 →
     155, 2048→512 at 7×7 88 → 102. B computed per call and attention keep :func:`micro_tile` (their
     strips are packed per block in that tile's width), and so do the bf16 pair dot kernels."""
-    lanes = max(1, target.vector_bytes // 4)
-    wide = 4 * lanes
-    return not (MICRO_M or MICRO_N) and lanes >= 16 and n >= wide and (n % wide == 0 or n >= 8 * wide)
+    wide = wide_columns(target)
+    return not (MICRO_M or MICRO_N) and wide >= 64 and n >= wide and (n % wide == 0 or n >= 8 * wide)
+
+
+def wide_columns(target: TargetDesc) -> int:
+    """Columns of the wide register tile: four vectors of f32 lanes."""
+    return 4 * max(1, target.vector_bytes // 4)
 
 
 def panel_tile(target: TargetDesc, n: int) -> tuple[int, int]:
     """(rows, columns) of the f32 register tile when B is a weight laid out in panels
     (``cpu_panels``): :func:`wide_tile`'s where it applies, else :func:`micro_tile`'s."""
     if wide_tile(target, n):
-        return WIDE_ROWS, 4 * max(1, target.vector_bytes // 4)
+        return WIDE_ROWS, wide_columns(target)
     mr, nr = micro_tile(target)
     return mr, narrow_columns(n, nr)
 
 
 def tile_rows(target: TargetDesc, nr: int) -> int:
     """The register tile's rows for a strip of ``nr`` columns: ``WIDE_ROWS`` for the wide tile's
-    four vectors, else :func:`micro_tile`'s."""
-    wide = 4 * max(1, target.vector_bytes // 4)
-    return WIDE_ROWS if nr == wide and not (MICRO_M or MICRO_N) else micro_tile(target)[0]
+    four vectors (a strip, never wider than that, takes :func:`wide_tile` exactly when it is that
+    wide), else :func:`micro_tile`'s."""
+    return WIDE_ROWS if wide_tile(target, nr) else micro_tile(target)[0]
 
 
 def pair_columns(target: TargetDesc, n: int, weight: bool = True) -> int:
